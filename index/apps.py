@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class IndexConfig(AppConfig):
+    name = "index"
+    verbose_name = "Index Service"

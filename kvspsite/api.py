@@ -1,0 +1,250 @@
+"""REST plumbing shared by both roles: media types, bearer tokens, RFC 9457 problem details.
+
+Every error on the API, wherever it arises (a view, the URL resolver, a parser, the auth layer or
+an uncaught exception), leaves as ``application/problem+json`` whose ``type`` ends with the
+problem's name. A 5xx never echoes internal text.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
+from django.http import Http404, HttpResponse
+from rest_framework import exceptions, status
+from rest_framework.authentication import BaseAuthentication, get_authorization_header
+from rest_framework.parsers import BaseParser
+from rest_framework.renderers import BaseRenderer
+from rest_framework.response import Response
+
+from kvsp.problems import PROBLEM_MEDIA_TYPE, ProtocolError, problem_document
+
+log = logging.getLogger(__name__)
+
+KVSP_JSON = "application/kvsp+json"
+API_PREFIXES = ("/kvsp/", "/metrics")
+
+_ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+class KvspJSONRenderer(BaseRenderer):
+    media_type = KVSP_JSON
+    format = "kvsp+json"
+    charset = None
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        if data is None:
+            return b""
+        return orjson.dumps(data, option=_ORJSON_OPTIONS)
+
+
+class PlainJSONRenderer(KvspJSONRenderer):
+    media_type = "application/json"
+    format = "json"
+
+
+class KvspJSONParser(BaseParser):
+    media_type = KVSP_JSON
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        # DRF hands parsers the raw stream, past Django's own body limit: enforce it here.
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if stream is None:
+            body = b""
+        else:
+            body = stream.read() if limit is None else stream.read(limit + 1)
+        if limit is not None and len(body) > limit:
+            raise ProtocolError(
+                "kvsp-payload-too-large", f"the request body is larger than {limit} octets"
+            )
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise exceptions.ParseError(f"the body is not valid JSON: {exc}") from exc
+
+
+class PlainJSONParser(KvspJSONParser):
+    media_type = "application/json"
+
+
+class BearerTokenAuthentication(BaseAuthentication):
+    """``Authorization: Bearer <token>``; the principal comes from the Index Service's table."""
+
+    keyword = b"bearer"
+
+    def authenticate(self, request):
+        parts = get_authorization_header(request).split()
+        if not parts or parts[0].lower() != self.keyword:
+            return None
+        if len(parts) != 2:
+            raise exceptions.AuthenticationFailed(
+                "the Authorization field must be 'Bearer <token>'"
+            )
+        try:
+            token = parts[1].decode("ascii")
+        except UnicodeDecodeError as exc:
+            raise exceptions.AuthenticationFailed("the bearer token is not ASCII") from exc
+        from index.auth import principal_for_token
+
+        principal = principal_for_token(token)
+        if principal is None:
+            raise exceptions.AuthenticationFailed("the bearer token is not valid")
+        return principal, token
+
+    def authenticate_header(self, request):
+        return 'Bearer realm="kvsp"'
+
+
+# DRF exceptions map to our problem names by class; anything else by its status code.
+_PROBLEM_FOR_DRF = (
+    (exceptions.NotAuthenticated, "kvsp-unauthenticated"),
+    (exceptions.AuthenticationFailed, "kvsp-unauthenticated"),
+    (exceptions.PermissionDenied, "kvsp-forbidden"),
+    (exceptions.NotFound, "kvsp-not-found"),
+    (exceptions.MethodNotAllowed, "kvsp-method-not-allowed"),
+    (exceptions.NotAcceptable, "kvsp-not-acceptable"),
+    (exceptions.UnsupportedMediaType, "kvsp-unsupported-media-type"),
+    (exceptions.Throttled, "kvsp-too-many-requests"),
+    (exceptions.ParseError, "kvsp-malformed-request"),
+    (exceptions.ValidationError, "kvsp-malformed-request"),
+)
+
+PROBLEM_FOR_STATUS = {
+    400: "kvsp-malformed-request",
+    401: "kvsp-unauthenticated",
+    403: "kvsp-forbidden",
+    404: "kvsp-not-found",
+    405: "kvsp-method-not-allowed",
+    406: "kvsp-not-acceptable",
+    409: "kvsp-conflict",
+    412: "kvsp-precondition-failed",
+    413: "kvsp-payload-too-large",
+    415: "kvsp-unsupported-media-type",
+    429: "kvsp-too-many-requests",
+    502: "kvsp-upstream-error",
+    503: "kvsp-unavailable",
+}
+
+
+def problem_for_status(status_code: int) -> str:
+    if status_code in PROBLEM_FOR_STATUS:
+        return PROBLEM_FOR_STATUS[status_code]
+    return "kvsp-internal-error" if status_code >= 500 else "kvsp-malformed-request"
+
+
+def _flatten_validation_detail(detail, path: str = "") -> list[str]:
+    if isinstance(detail, dict):
+        lines = []
+        for key, value in detail.items():
+            lines += _flatten_validation_detail(value, f"{path}.{key}" if path else str(key))
+        return lines
+    if isinstance(detail, list):
+        lines = []
+        for item in detail:
+            lines += _flatten_validation_detail(item, path)
+        return lines
+    return [f"{path}: {detail}" if path else str(detail)]
+
+
+def problem_response(
+    problem: str, detail: str, *, status_code: int | None = None, headers=None
+) -> Response:
+    document = problem_document(problem, detail, status=status_code)
+    return Response(
+        document, status=document["status"], content_type=PROBLEM_MEDIA_TYPE, headers=headers
+    )
+
+
+def problem_exception_handler(exc, context):
+    """DRF's EXCEPTION_HANDLER: every exception a view raises becomes problem details."""
+    if isinstance(exc, ProtocolError):
+        return problem_response(exc.problem, exc.detail, status_code=exc.status)
+    if isinstance(exc, Http404):
+        return problem_response("kvsp-not-found", "no such resource")
+    if isinstance(exc, RequestDataTooBig):
+        return problem_response("kvsp-payload-too-large", "the request body is too large")
+    if isinstance(exc, PermissionDenied):
+        return problem_response("kvsp-forbidden", "not allowed")
+    if isinstance(exc, SuspiciousOperation):
+        return problem_response("kvsp-malformed-request", "the request was refused as malformed")
+    if isinstance(exc, exceptions.APIException):
+        problem = next(
+            (name for cls, name in _PROBLEM_FOR_DRF if isinstance(exc, cls)),
+            problem_for_status(exc.status_code),
+        )
+        if isinstance(exc, exceptions.ValidationError):
+            detail = "; ".join(_flatten_validation_detail(exc.detail))
+        else:
+            detail = str(exc.detail)
+        headers = {}
+        if getattr(exc, "auth_header", None):
+            headers["WWW-Authenticate"] = exc.auth_header
+        if getattr(exc, "wait", None):
+            headers["Retry-After"] = str(int(exc.wait))
+        response = problem_response(problem, detail, status_code=exc.status_code, headers=headers)
+        return response
+    view = context.get("view")
+    log.exception("uncaught error in %s", type(view).__name__ if view else "a view")
+    return problem_response("kvsp-internal-error", "the server failed to handle the request")
+
+
+def problem_http_response(problem: str, detail: str, status_code: int | None = None):
+    """A plain Django response with problem details, for code outside DRF views."""
+    document = problem_document(problem, detail, status=status_code)
+    response = HttpResponse(
+        orjson.dumps(document), status=document["status"], content_type=PROBLEM_MEDIA_TYPE
+    )
+    if document["status"] == status.HTTP_401_UNAUTHORIZED:
+        response["WWW-Authenticate"] = 'Bearer realm="kvsp"'
+    return response
+
+
+def is_api_path(path: str) -> bool:
+    return path.startswith(API_PREFIXES)
+
+
+_SAFE_DETAIL = {
+    400: "the request was refused as malformed",
+    401: "authentication required",
+    403: "not allowed",
+    404: "no such resource",
+    405: "method not allowed on this resource",
+    413: "the request body is too large",
+    500: "the server failed to handle the request",
+}
+
+
+class ProblemDetailsMiddleware:
+    """Turns any non-problem error response on an API path into problem details.
+
+    Django answers unmatched URLs, disallowed hosts, CSRF failures and crashes outside DRF with
+    HTML pages (technical ones under DEBUG); on the API those become problem details instead.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        if (
+            response.status_code >= 400
+            and is_api_path(request.path)
+            and response.get("Content-Type", "").split(";")[0].strip() != PROBLEM_MEDIA_TYPE
+        ):
+            code = response.status_code
+            return problem_http_response(
+                problem_for_status(code), _SAFE_DETAIL.get(code, "request failed"), code
+            )
+        return response
+
+    def process_exception(self, request, exception):
+        if not is_api_path(request.path):
+            return None
+        if isinstance(exception, ProtocolError):
+            return problem_http_response(exception.problem, exception.detail, exception.status)
+        if isinstance(exception, Http404):
+            return problem_http_response("kvsp-not-found", "no such resource")
+        log.exception("uncaught error on %s", request.path)
+        return problem_http_response("kvsp-internal-error", _SAFE_DETAIL[500])

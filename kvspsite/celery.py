@@ -1,0 +1,81 @@
+"""The Celery app of both roles, and the one decorator every KVSP task is declared with.
+
+Queues: ``control`` for the Placement Controller's work, ``ii.<name>`` for the worker of
+instance ``<name>`` (it owns that instance's tensors). Tasks acknowledge late, are rejected back
+to the queue when their worker dies, take ids rather than objects, and are idempotent: a
+redelivered task re-reads its row and returns early when the work is already done.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from celery import Celery
+from kombu import Queue
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
+
+CONTROL_QUEUE = "control"
+
+app = Celery("kvsp")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.update(
+    task_default_queue=CONTROL_QUEUE,
+    task_queues=[Queue(CONTROL_QUEUE)],
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    task_ignore_result=True,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    beat_schedule={},
+)
+app.autodiscover_tasks()
+
+
+def instance_queue(instance_name: str) -> str:
+    """The queue the worker of one inference instance consumes."""
+    return f"ii.{instance_name}"
+
+
+# Network trouble and a peer that is briefly gone are worth retrying; a bug is not.
+RETRYABLE = (ConnectionError, TimeoutError, OSError)
+
+
+def kvsp_task(*, time_limit: int = 300, max_retries: int = 5, **opts):
+    """Declare a task with the project's delivery guarantees (see the module docstring).
+
+    Tasks go to the ``control`` queue unless sent with ``queue=instance_queue(name)``.
+    """
+    options = {
+        "acks_late": True,
+        "reject_on_worker_lost": True,
+        "autoretry_for": RETRYABLE,
+        "retry_backoff": True,
+        "retry_backoff_max": 30,
+        "retry_jitter": True,
+        "max_retries": max_retries,
+        "soft_time_limit": max(time_limit - 5, 1),
+        "time_limit": time_limit,
+    }
+    options.update(opts)
+    return app.task(**options)
+
+
+def add_housekeeping(name: str, task: str, seconds: float, queue: str = CONTROL_QUEUE) -> None:
+    """Register a periodic task with Celery beat; later modules call this at import."""
+    app.conf.beat_schedule[name] = {
+        "task": task,
+        "schedule": seconds,
+        "options": {"queue": queue, "expires": seconds},
+    }
+
+
+@kvsp_task(ignore_result=False, name="kvsp.ping", time_limit=30)
+def ping(payload=None):
+    """Round trip through the broker: which worker answered, and the payload back."""
+    return {"hostname": socket.gethostname(), "pid": os.getpid(), "payload": payload}

@@ -1,0 +1,271 @@
+"""Settings for both roles, read from the environment once (DESIGN.md section 7).
+
+With no environment at all this is the embedded default: SQLite and a filesystem broker under
+``var/``, development secrets generated once under ``var/secrets/``. Production sets
+``KVSP_PRODUCTION=1`` with ``DATABASE_URL`` (Postgres), ``CELERY_BROKER_URL`` (Redis) and real
+secrets; a missing secret then stops start-up.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+
+VAR_DIR = Path(env.str("KVSP_VAR_DIR", default=str(BASE_DIR / "var")))
+PRODUCTION = env.bool("KVSP_PRODUCTION", default=False)
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+
+ROLES = ("control", "node")
+KVSP_ROLE = env.str("KVSP_ROLE", default="control")
+if KVSP_ROLE not in ROLES:
+    raise ImproperlyConfigured(
+        f"KVSP_ROLE={KVSP_ROLE!r} is not a role; use one of: {', '.join(ROLES)}"
+    )
+
+
+def _development_secret(name: str, octets: int) -> str:
+    """A secret generated once per checkout, so that every local process agrees on it."""
+    if PRODUCTION:
+        raise ImproperlyConfigured(f"{name} must be set when KVSP_PRODUCTION is on")
+    path = VAR_DIR / "secrets" / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        value = base64.b64encode(secrets.token_bytes(octets)).decode()
+        try:
+            with path.open("x") as handle:
+                handle.write(value)
+        except FileExistsError:
+            pass  # another process created it first; read theirs
+    return path.read_text().strip()
+
+
+def _env_or_development_secret(name: str, octets: int) -> str:
+    value = env.str(name, default="")
+    return value or _development_secret(name, octets)
+
+
+def _master_key() -> bytes:
+    raw = _env_or_development_secret("KVSP_MASTER_KEY", 32)
+    try:
+        key = base64.b64decode(raw, validate=True)
+    except ValueError:
+        try:
+            key = bytes.fromhex(raw)
+        except ValueError:
+            key = b""
+    if len(key) not in (16, 24, 32):
+        raise ImproperlyConfigured(
+            "KVSP_MASTER_KEY must be an AES key of 16, 24 or 32 octets, in base64 or hex"
+        )
+    return key
+
+
+def _int_setting(name: str, default: int) -> int:
+    try:
+        value = env.int(name, default=default)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={env.str(name)!r} is not an integer") from None
+    if value < 0:
+        raise ImproperlyConfigured(f"{name}={value} must not be negative")
+    return value
+
+
+def _url_setting(name: str, default: str, schemes: tuple[str, ...]) -> str:
+    value = env.str(name, default=default)
+    scheme, sep, _ = value.partition("://")
+    if not sep or scheme not in schemes:
+        raise ImproperlyConfigured(
+            f"{name}={value!r} is not a URL with one of the schemes: {', '.join(schemes)}"
+        )
+    return value
+
+
+SECRET_KEY = _env_or_development_secret("DJANGO_SECRET_KEY", 48)
+KVSP_MASTER_KEY = _master_key()
+
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["*"] if not PRODUCTION else [])
+CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "index",
+    "placement",
+    "sessions.apps.KvspSessionsConfig",
+    "workers",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "kvspsite.api.ProblemDetailsMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = f"kvspsite.urls_{KVSP_ROLE}"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "kvspsite.wsgi.application"
+ASGI_APPLICATION = "kvspsite.asgi.application"
+
+_database_url = _url_setting(
+    "DATABASE_URL",
+    f"sqlite:///{VAR_DIR / 'kvsp.sqlite3'}",
+    ("sqlite", "postgres", "postgresql", "pgsql", "psql"),
+)
+DATABASES = {"default": env.db_url_config(_database_url)}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+    # The embedded default serves several local processes; waiting beats "database is locked".
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 30, "transaction_mode": "IMMEDIATE"}
+    )
+    # A file, not memory, so that servers started by the tests share the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-kvsp.sqlite3")}
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = _int_setting("KVSP_DB_CONN_MAX_AGE", 60)
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+STATICFILES_DIRS = [BASE_DIR / "static"] if (BASE_DIR / "static").is_dir() else []
+WHITENOISE_USE_FINDERS = True
+
+LOGIN_URL = "/admin/login/"
+
+DATA_UPLOAD_MAX_MEMORY_SIZE = _int_setting("KVSP_MAX_BODY_OCTETS", 4 * 1024 * 1024)
+
+# --- KVSP protocol settings -------------------------------------------------------------------
+
+KVSP_MAX_TTL_MS = _int_setting("KVSP_MAX_TTL_MS", 600_000)
+KVSP_LEASE_MAX_OCTETS = _int_setting("KVSP_LEASE_MAX_OCTETS", 8 * 1024**3)
+KVSP_LEASE_MAX_TTL_MS = _int_setting("KVSP_LEASE_MAX_TTL_MS", 60_000)
+KVSP_MAX_LOOKUP_KEYS = _int_setting("KVSP_MAX_LOOKUP_KEYS", 65_536)
+KVSP_MAX_BLOCK_OCTETS = _int_setting("KVSP_MAX_BLOCK_OCTETS", 1024**3)
+KVSP_PREFETCH_DEADLINE_MS = _int_setting("KVSP_PREFETCH_DEADLINE_MS", 5_000)
+KVSP_PREFETCH_LEASE_MS = _int_setting("KVSP_PREFETCH_LEASE_MS", 30_000)
+
+# Node role.
+KVSP_INSTANCE = env.str("KVSP_INSTANCE", default="")
+KVSP_PUBLIC_URL = env.str("KVSP_PUBLIC_URL", default="")
+KVSP_CONTROL_URL = env.str("KVSP_CONTROL_URL", default="")
+KVSP_TOKEN = env.str("KVSP_TOKEN", default="")
+KVSP_TIER_DEVICE_OCTETS = _int_setting("KVSP_TIER_DEVICE_OCTETS", 1024**3)
+KVSP_TIER_HOST_OCTETS = _int_setting("KVSP_TIER_HOST_OCTETS", 4 * 1024**3)
+KVSP_TIER_DISK_OCTETS = _int_setting("KVSP_TIER_DISK_OCTETS", 16 * 1024**3)
+KVSP_DISK_DIR = Path(env.str("KVSP_DISK_DIR", default=str(VAR_DIR / "disk")))
+KVSP_STATUS_TTL_MS = _int_setting("KVSP_STATUS_TTL_MS", 3_000)
+
+if KVSP_ROLE == "node":
+    for _name in ("KVSP_CONTROL_URL", "KVSP_PUBLIC_URL"):
+        _value = globals()[_name]
+        if _value:
+            _url_setting(_name, _value, ("http", "https"))
+
+# --- Celery -----------------------------------------------------------------------------------
+
+CELERY_BROKER_URL = _url_setting(
+    "CELERY_BROKER_URL",
+    "filesystem://",
+    ("filesystem", "redis", "rediss", "amqp", "amqps", "memory"),
+)
+CELERY_RESULT_BACKEND = env.str(
+    "CELERY_RESULT_BACKEND",
+    default=(
+        CELERY_BROKER_URL
+        if CELERY_BROKER_URL.startswith(("redis://", "rediss://"))
+        else f"file://{VAR_DIR / 'celery' / 'results'}"
+    ),
+)
+CELERY_BROKER_TRANSPORT_OPTIONS = {}
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    _broker_dir = VAR_DIR / "celery" / "broker"
+    for _sub in ("queue", "processed", "control"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "queue"),
+        "data_folder_out": str(_broker_dir / "queue"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "control_folder": str(_broker_dir / "control"),
+        "store_processed": False,
+    }
+if CELERY_RESULT_BACKEND.startswith("file://"):
+    Path(CELERY_RESULT_BACKEND.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+
+# --- REST framework -----------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_RENDERER_CLASSES": [
+        "kvspsite.api.KvspJSONRenderer",
+        "kvspsite.api.PlainJSONRenderer",
+    ],
+    "DEFAULT_PARSER_CLASSES": ["kvspsite.api.KvspJSONParser", "kvspsite.api.PlainJSONParser"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["kvspsite.api.BearerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "EXCEPTION_HANDLER": "kvspsite.api.problem_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "KVSP — KV Cache Storage Protocol",
+    "DESCRIPTION": "Index Service, Placement Controller and node endpoints of KVSP.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("KVSP_LOG_LEVEL", default="INFO")},
+    "loggers": {"django.request": {"level": "ERROR"}},
+}

@@ -1,0 +1,8 @@
+from django.apps import AppConfig
+
+
+class KvspSessionsConfig(AppConfig):
+    # Django's own session framework already owns the label "sessions".
+    name = "sessions"
+    label = "kvsp_sessions"
+    verbose_name = "Sessions"
