@@ -1,0 +1,1665 @@
+"""The JSON records of KVSP: spec 4.4 (Replica Record, Instance Status Record, Session
+Checkpoint), 6.2 (lookup request), 6.4 (placement request), 6.5 (prefetch directive and its
+state), 6.6 (leases) and 6.9 (shard map and reshard messages), in the shapes DESIGN.md section 3
+fixes where the spec leaves them open.
+
+Every record is a frozen dataclass validated at construction. ``Record.from_json(obj)`` turns a
+decoded JSON value into a record: it bounds every array by ``Limits`` before it does per-entry
+work, ignores unknown members (4.4: "Unknown members MUST be ignored"), and raises
+``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record`` whose detail starts with
+the path of the offending member, e.g. ``residency[1].layers: overlaps residency[0].layers``.
+``record.to_json()`` is the record as a JSON-ready dict, and ``from_json(r.to_json()) == r``.
+
+Choices made where the spec is silent:
+
+- Integers are JSON integers (``3.0`` is not taken for ``3``) no larger than 2**53 - 1, the range
+  every JSON implementation holds exactly (RFC 7493); tokens and layer indexes are uint32, codecs
+  uint16, sampler seeds uint64. Other numbers must be finite and no larger than 2**53 - 1.
+- Identifiers stay the lowercase strings of the wire (``*_bytes`` properties give the octets);
+  UUIDs are accepted in either case and kept in lowercase.
+- An optional member that is null is treated as absent.
+- URLs are compared as strings. A base URL (an instance, a holder reached over HTTP) is an
+  absolute ``http``/``https`` URL with a lowercase scheme, a host, a path ending in "/", and no
+  user information, query or fragment. A holder may instead be a ``moqt`` URI (4.4) with the
+  same restrictions except the trailing "/".
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn, Self, TypeVar
+from urllib.parse import SplitResult, urlsplit
+
+from kvsp.container import DIGEST_PREFIX, replica_digest
+from kvsp.hexids import is_hex, parse_uuid
+from kvsp.problems import ProtocolError
+from kvsp.states import (
+    FIRST_SESSION_EPOCH,
+    REQUESTABLE_INSTANCE_STATES,
+    DirectiveStatus,
+    InstanceState,
+)
+
+MAX_SAFE_INTEGER = 2**53 - 1
+UINT16_MAX = 2**16 - 1
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+MAX_URL_LENGTH = 2048
+MAX_TEXT_LENGTH = 1024
+
+# Tiers this implementation stores blocks in (DESIGN.md section 1). The spec does not register
+# tier names, so a holder may report another lowercase name (a new kind of memory); placement
+# only ever reads a tier's "read_mbit_per_s", never its name.
+KNOWN_TIERS = ("device", "host", "disk")
+_TIER_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
+
+# Layer orders of a prefetch directive (6.5 defines only this one).
+LAYER_ORDERS = ("ascending",)
+
+# Lease ids and shard map ids are used as one path segment (leases/{id}, shardmaps/{map}), so
+# they are limited to URL-unreserved characters.
+_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what a decoder accepts, checked before any per-entry work.
+
+    The defaults admit a context of two million tokens in blocks of 16 and a model of 4096
+    layers; a deployment lowers them to what it serves.
+    """
+
+    max_layers: int = 4096  # layer_digests, residency entries
+    max_block_keys: int = 131072  # lookup, checkpoint prompt_blocks, directive blocks, leases
+    max_tokens: int = 2_097_152  # placement tokens, checkpoint prompt_tail and generated
+    max_sources: int = 64  # sources of one directive block
+    max_links: int = 1024  # links of one status record
+    max_targets: int = 1024  # lookup targets
+    max_compat_ids: int = 256  # compat_ids of one status record
+    max_shards: int = 4096  # shards of one shard map
+    max_ranges: int = 8192  # each of retain, fetch and release of a reshard plan
+    max_params: int = 64  # JSON values inside sampler.params, all levels together
+    max_depth: int = 8  # nesting of sampler.params
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --- Errors -----------------------------------------------------------------------------------
+
+Path = tuple[str | int, ...]
+
+
+def render_path(path: Path) -> str:
+    out = ""
+    for segment in path:
+        if isinstance(segment, int):
+            out += f"[{segment}]"
+        else:
+            out += f".{segment}" if out else segment
+    return out
+
+
+class InvalidRecord(ProtocolError):
+    """A record that breaks a rule; ``path`` names the member, ``message`` the rule.
+
+    A message about two members (an overlap, a duplicate) names the other one as ``related``,
+    written where the message has ``{related}``, so that it gets the same prefix when the error
+    travels out of a nested record.
+    """
+
+    def __init__(self, path: Path, message: str, related: Path | None = None):
+        self.path = path
+        self.message = message
+        self.related = related
+        text = message if related is None else message.format(related=render_path(related))
+        detail = f"{render_path(path)}: {text}" if path else text
+        super().__init__("kvsp-invalid-record", detail)
+
+    def within(self, *prefix: str | int) -> InvalidRecord:
+        related = None if self.related is None else tuple(prefix) + self.related
+        return InvalidRecord(tuple(prefix) + self.path, self.message, related)
+
+
+def _fail(path: Path, message: str, related: Path | None = None) -> NoReturn:
+    raise InvalidRecord(path, message, related)
+
+
+# --- Checks on values (used by the records' __post_init__) ------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(value: object, path: Path, lo: int = 0, hi: int = MAX_SAFE_INTEGER) -> None:
+    if not _is_int(value):
+        _fail(path, "must be an integer")
+    if not lo <= value <= hi:
+        _fail(path, f"must be an integer from {lo} to {hi}")
+
+
+def _check_number(
+    value: object,
+    path: Path,
+    *,
+    positive: bool = False,
+    lo: float | None = None,
+    hi: float | None = None,
+) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        _fail(path, "must be a number")
+    if isinstance(value, float) and not math.isfinite(value):
+        _fail(path, "must be a finite number")
+    if abs(value) > MAX_SAFE_INTEGER:
+        _fail(path, f"must be at most {MAX_SAFE_INTEGER} in magnitude")
+    if positive and not value > 0:
+        _fail(path, "must be greater than 0")
+    if lo is not None and value < lo:
+        _fail(path, f"must be at least {lo}")
+    if hi is not None and value > hi:
+        _fail(path, f"must be at most {hi}")
+
+
+def _check_bool(value: object, path: Path) -> None:
+    if not isinstance(value, bool):
+        _fail(path, "must be true or false")
+
+
+def _check_text(value: object, path: Path, max_length: int = MAX_TEXT_LENGTH) -> None:
+    if not isinstance(value, str):
+        _fail(path, "must be a string")
+    if len(value) > max_length:
+        _fail(path, f"must be at most {max_length} characters")
+
+
+def _check_hex(value: object, path: Path, octets: int) -> None:
+    if not is_hex(value, octets):
+        _fail(path, f"must be hex{octets}: {octets * 2} lowercase hex digits")
+
+
+def _check_digest(value: object, path: Path) -> None:
+    if not (isinstance(value, str) and value.startswith(DIGEST_PREFIX) and is_hex(value[8:], 32)):
+        _fail(path, 'must be "sha-256:" followed by 64 lowercase hex digits')
+
+
+def _check_uuid(value: object, path: Path) -> None:
+    try:
+        parsed = parse_uuid(value, render_path(path))
+    except ProtocolError:
+        _fail(path, "must be a UUID: 8-4-4-4-12 hex digits")
+    if str(parsed) != value:
+        _fail(path, "must be a UUID in lowercase")
+
+
+def _check_segment(value: object, path: Path) -> None:
+    if not (isinstance(value, str) and _SEGMENT.fullmatch(value)):
+        _fail(path, "must be 1 to 128 characters from A-Z a-z 0-9 . _ ~ -")
+
+
+def _check_choice(value: object, path: Path, choices: tuple[str, ...] | frozenset[str]) -> None:
+    # The isinstance test comes first: an array or object is not hashable.
+    if not (isinstance(value, str) and value in choices):
+        _fail(path, "must be one of " + ", ".join(sorted(f'"{c}"' for c in choices)))
+
+
+def _check_tuple(value: object, path: Path, *, non_empty: bool = False) -> None:
+    if not isinstance(value, tuple):
+        _fail(path, "must be an array")
+    if non_empty and not value:
+        _fail(path, "must not be empty")
+
+
+def _check_each(values: tuple, path: Path, check: Callable[[object, Path], None]) -> None:
+    for index, value in enumerate(values):
+        check(value, (*path, index))
+
+
+def _check_hex_list(values: object, path: Path, octets: int, *, non_empty: bool = False) -> None:
+    _check_tuple(values, path, non_empty=non_empty)
+    for index, value in enumerate(values):
+        _check_hex(value, (*path, index), octets)
+
+
+def _check_unique(values: tuple, path: Path, key: Callable[[Any], Any], member: str = "") -> None:
+    seen: dict[Any, int] = {}
+    for index, value in enumerate(values):
+        identity = key(value)
+        if identity in seen:
+            if member:
+                _fail(
+                    (*path, index, member), "duplicates {related}", (*path, seen[identity], member)
+                )
+            _fail((*path, index), "duplicates {related}", (*path, seen[identity]))
+        seen[identity] = index
+
+
+def _check_uint32_list(values: object, path: Path) -> None:
+    _check_tuple(values, path)
+    # One pass over a long token list in the common case; the slow pass only names the culprit.
+    if all(type(t) is int and 0 <= t <= UINT32_MAX for t in values):
+        return
+    for index, value in enumerate(values):
+        _check_int(value, (*path, index), 0, UINT32_MAX)
+
+
+def _url_parts(value: object, path: Path) -> SplitResult:
+    if not isinstance(value, str):
+        _fail(path, "must be a URL string")
+    if len(value) > MAX_URL_LENGTH:
+        _fail(path, f"must be at most {MAX_URL_LENGTH} characters")
+    if not value.isascii() or any(ch <= " " or ch == "\x7f" for ch in value):
+        _fail(path, "must be ASCII without spaces or control characters")
+    if "?" in value or "#" in value:
+        _fail(path, "must not have a query or a fragment")
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - parsing the port is what raises for a bad one
+    except ValueError:
+        _fail(path, "is not a valid URL")
+    if not value.startswith(parts.scheme + "://"):
+        _fail(path, "must be an absolute URL with a lowercase scheme")
+    if "@" in parts.netloc:
+        _fail(path, "must not carry user information")
+    if not parts.hostname:
+        _fail(path, "must name a host")
+    return parts
+
+
+def _check_base_url(value: object, path: Path) -> None:
+    parts = _url_parts(value, path)
+    if parts.scheme not in ("http", "https"):
+        _fail(path, "must be an http or https URL")
+    if not parts.path.endswith("/"):
+        _fail(path, 'must end with "/"')
+
+
+def _check_holder(value: object, path: Path) -> None:
+    parts = _url_parts(value, path)
+    if parts.scheme == "moqt":
+        return
+    if parts.scheme not in ("http", "https"):
+        _fail(path, "must be an http, https or moqt URL")
+    if not parts.path.endswith("/"):
+        _fail(path, 'must end with "/"')
+
+
+def is_moqt_holder(holder: str) -> bool:
+    return holder.startswith("moqt://")
+
+
+def parse_moqt_namespace(value: object) -> tuple[bytes, ...] | None:
+    """The five Track Namespace Fields of a ``moqt_namespace`` member (4.4), or None.
+
+    The member is unpadded base64url of the fields, each preceded by its length in one octet.
+    Only the canonical encoding is accepted, so that one namespace has one spelling.
+    """
+    if not isinstance(value, str) or len(value) > MAX_URL_LENGTH or len(value) % 4 == 1:
+        return None
+    if not _BASE64URL.fullmatch(value):
+        return None
+    raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != value:
+        return None
+    fields = []
+    offset = 0
+    while offset < len(raw):
+        length = raw[offset]
+        offset += 1
+        if offset + length > len(raw):
+            return None
+        fields.append(raw[offset : offset + length])
+        offset += length
+    return tuple(fields) if len(fields) == 5 else None
+
+
+def encode_moqt_namespace(fields: tuple[bytes, ...]) -> str:
+    """The ``moqt_namespace`` member for five Track Namespace Fields of at most 255 octets."""
+    if len(fields) != 5 or any(len(f) > 255 for f in fields):
+        raise ValueError("a namespace is five fields of at most 255 octets")
+    raw = b"".join(bytes([len(f)]) + f for f in fields)
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _check_layer_range(value: object, path: Path) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2):
+        _fail(path, "must be [first, last]")
+    _check_int(value[0], (*path, 0), 0, UINT32_MAX)
+    _check_int(value[1], (*path, 1), 0, UINT32_MAX)
+    if value[0] > value[1]:
+        _fail(path, "the first layer must not be after the last (ranges are inclusive)")
+
+
+def _check_token_range(value: object, path: Path) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2):
+        _fail(path, "must be [start, end]")
+    _check_int(value[0], (*path, 0))
+    _check_int(value[1], (*path, 1))
+    if value[0] >= value[1]:
+        _fail(path, "start must be less than end (ranges are half-open)")
+
+
+def _first_overlap(
+    ranges: list[tuple[int, int, Path]], *, inclusive: bool
+) -> tuple[Path, Path] | None:
+    """Two overlapping ranges of ``ranges`` (listed in document order), or None.
+
+    The answer is (path of the later range, path of the earlier one), so that the error names
+    the range that broke the rule. Sorting by start makes this O(n log n) for hostile sizes.
+    """
+    order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
+    furthest = None  # the index of the range reaching furthest among those before
+    for i in order:
+        start, end, _ = ranges[i]
+        if furthest is not None:
+            reach = ranges[furthest][1]
+            if (start <= reach) if inclusive else (start < reach):
+                later, earlier = max(i, furthest), min(i, furthest)
+                return ranges[later][2], ranges[earlier][2]
+            if end <= reach:
+                continue
+        furthest = i
+    return None
+
+
+# --- Decoding helpers (used by from_json) -----------------------------------------------------
+
+_ABSENT: Any = object()
+
+
+def _get(obj: dict, name: str) -> Any:
+    """A member, or ``_ABSENT`` when it is missing or null (null counts as absent)."""
+    value = obj.get(name)
+    return _ABSENT if value is None else value
+
+
+def _required(obj: dict, name: str) -> Any:
+    if name not in obj:
+        _fail((name,), "required member is missing")
+    return obj[name]
+
+
+def _optional(obj: dict, name: str, convert: Callable[[Any], Any] | None = None) -> Any:
+    value = _get(obj, name)
+    if value is _ABSENT:
+        return None
+    return convert(value) if convert else value
+
+
+def _array(value: object, path: Path, max_length: int) -> tuple:
+    if not isinstance(value, list | tuple):
+        _fail(path, "must be an array")
+    if len(value) > max_length:
+        _fail(path, f"has {len(value)} entries; at most {max_length} are accepted")
+    return tuple(value)
+
+
+def _pair(value: object) -> object:
+    # Only a two-entry array becomes a tuple; anything else is handed on for the record's own
+    # check to name.
+    if isinstance(value, list | tuple) and len(value) == 2:
+        return tuple(value)
+    return value
+
+
+def _default(value: object, default: object) -> object:
+    return default if value is None else value
+
+
+def _lower(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value
+
+
+R = TypeVar("R", bound="Record")
+
+
+def _nested(cls: type[R], value: object, path: Path, limits: Limits) -> R:
+    if not isinstance(value, dict):
+        _fail(path, "must be a JSON object")
+    try:
+        return cls._from_members(value, limits)
+    except InvalidRecord as error:
+        raise error.within(*path) from None
+
+
+def _nested_list(
+    cls: type[R], value: object, path: Path, max_length: int, limits: Limits
+) -> tuple[R, ...]:
+    items = _array(value, path, max_length)
+    return tuple(_nested(cls, item, (*path, index), limits) for index, item in enumerate(items))
+
+
+class Record(ABC):
+    """What every record shares: decoding from a JSON value, encoding to one."""
+
+    __slots__ = ()
+    NAME: ClassVar[str] = "record"
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        if not isinstance(obj, dict):
+            raise InvalidRecord((), f"a {cls.NAME} must be a JSON object")
+        return cls._from_members(obj, limits)
+
+    @classmethod
+    @abstractmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        """The record from the members of a JSON object; errors name paths inside it."""
+
+    @abstractmethod
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict."""
+
+
+# --- A frozen JSON object (sampler parameters) ------------------------------------------------
+
+
+class JsonObject(Mapping[str, Any]):
+    """An immutable, hashable JSON object: nested objects are JsonObjects, arrays are tuples."""
+
+    __slots__ = ("_members",)
+
+    def __init__(self, members: Mapping[str, Any] | None = None):
+        self._members = dict(members or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._members[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._members)
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._members.items()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self._members == dict(other.items())
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"JsonObject({self._members!r})"
+
+    def to_json(self) -> dict[str, Any]:
+        return _thaw(self)
+
+
+def freeze_json(value: object, path: Path, budget: list[int], depth: int, max_depth: int) -> Any:
+    """A JSON value made immutable; ``budget[0]`` counts the values that may still be taken."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        _fail(path, "has too many values")
+    if value is None or isinstance(value, bool | str):
+        if isinstance(value, str):
+            _check_text(value, path)
+        return value
+    if isinstance(value, int | float):
+        _check_number(value, path)
+        return value
+    if depth >= max_depth:
+        _fail(path, f"is nested deeper than {max_depth} levels")
+    if isinstance(value, list | tuple):
+        return tuple(
+            freeze_json(item, (*path, i), budget, depth + 1, max_depth)
+            for i, item in enumerate(value)
+        )
+    if isinstance(value, Mapping):
+        members = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                _fail(path, "member names must be strings")
+            _check_text(key, path)
+            members[key] = freeze_json(item, (*path, key), budget, depth + 1, max_depth)
+        return JsonObject(members)
+    _fail(path, "must be a JSON value")
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, JsonObject):
+        return {key: _thaw(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(item) for item in value]
+    return value
+
+
+# --- Replica Record (4.4) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyEntry(Record):
+    """Which layers of a replica reside in one tier, and how fast the holder reads that tier."""
+
+    NAME: ClassVar[str] = "residency entry"
+
+    tier: str
+    layers: tuple[int, int]  # inclusive
+    read_mbit_per_s: int | float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.tier, str) and _TIER_NAME.fullmatch(self.tier)):
+            _fail(("tier",), "must be a lowercase tier name such as " + ", ".join(KNOWN_TIERS))
+        _check_layer_range(self.layers, ("layers",))
+        if self.read_mbit_per_s is not None:
+            _check_number(self.read_mbit_per_s, ("read_mbit_per_s",), positive=True)
+
+    @property
+    def layer_count(self) -> int:
+        return self.layers[1] - self.layers[0] + 1
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            tier=_required(obj, "tier"),
+            layers=_pair(_required(obj, "layers")),
+            read_mbit_per_s=_optional(obj, "read_mbit_per_s"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tier": self.tier, "layers": list(self.layers)}
+        if self.read_mbit_per_s is not None:
+            out["read_mbit_per_s"] = self.read_mbit_per_s
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRecord(Record):
+    """A replica of one block at one holder (4.4, 6.1).
+
+    ``residency`` is required and non-empty: a holder always knows where it keeps a replica, and
+    placement prices the tiers. It need not cover every layer (a holder may keep only some layers
+    of a block). When ``layer_digests`` is present, every residency range lies inside it and the
+    digests reproduce ``digest``; a record that breaks either rule is refused, because a client
+    would refuse every layer it served. ``moqt_namespace`` is required with a ``moqt`` holder and
+    refused with any other.
+    """
+
+    NAME: ClassVar[str] = "Replica Record"
+
+    block_key: str
+    compat_id: str
+    scope_id: str
+    holder: str
+    codec: int
+    size: int
+    digest: str
+    residency: tuple[ResidencyEntry, ...]
+    ttl_ms: int
+    layer_digests: tuple[str, ...] | None = None
+    moqt_namespace: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_hex(self.block_key, ("block_key",), 32)
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_holder(self.holder, ("holder",))
+        _check_int(self.codec, ("codec",), 1, UINT16_MAX)
+        _check_int(self.size, ("size",))
+        _check_digest(self.digest, ("digest",))
+        _check_int(self.ttl_ms, ("ttl_ms",), 1)
+        if self.layer_digests is not None:
+            _check_hex_list(self.layer_digests, ("layer_digests",), 32, non_empty=True)
+            if replica_digest(self.layer_digest_bytes) != self.digest:
+                _fail(("layer_digests",), "do not reproduce digest (4.3)")
+        _check_tuple(self.residency, ("residency",), non_empty=True)
+        for index, entry in enumerate(self.residency):
+            if not isinstance(entry, ResidencyEntry):
+                _fail(("residency", index), "must be a residency entry")
+        overlap = _first_overlap(
+            [(e.layers[0], e.layers[1], ("residency", i)) for i, e in enumerate(self.residency)],
+            inclusive=True,
+        )
+        if overlap:
+            _fail((*overlap[0], "layers"), "overlaps {related}", (*overlap[1], "layers"))
+        if self.layer_digests is not None:
+            count = len(self.layer_digests)
+            for index, entry in enumerate(self.residency):
+                if entry.layers[1] >= count:
+                    _fail(
+                        ("residency", index, "layers"),
+                        f"layer {entry.layers[1]} is beyond the {count} layers of layer_digests",
+                    )
+        if is_moqt_holder(self.holder):
+            if self.moqt_namespace is None:
+                _fail(("moqt_namespace",), "is required when the holder is a moqt URI")
+            if parse_moqt_namespace(self.moqt_namespace) is None:
+                _fail(
+                    ("moqt_namespace",),
+                    "must be unpadded base64url of five length-prefixed namespace fields",
+                )
+        elif self.moqt_namespace is not None:
+            _fail(("moqt_namespace",), "is only allowed when the holder is a moqt URI")
+
+    def with_ttl(self, ttl_ms: int) -> ReplicaRecord:
+        """The same record with another ``ttl_ms`` (the IS caps it at its maximum, 6.1)."""
+        return dataclasses.replace(self, ttl_ms=ttl_ms)
+
+    @property
+    def block_key_bytes(self) -> bytes:
+        return bytes.fromhex(self.block_key)
+
+    @property
+    def compat_id_bytes(self) -> bytes:
+        return bytes.fromhex(self.compat_id)
+
+    @property
+    def scope_id_bytes(self) -> bytes:
+        return bytes.fromhex(self.scope_id)
+
+    @property
+    def digest_bytes(self) -> bytes:
+        return bytes.fromhex(self.digest[len(DIGEST_PREFIX) :])
+
+    @property
+    def layer_digest_bytes(self) -> tuple[bytes, ...] | None:
+        if self.layer_digests is None:
+            return None
+        return tuple(bytes.fromhex(d) for d in self.layer_digests)
+
+    @property
+    def layer_count(self) -> int | None:
+        """The number of layers of the block, known when ``layer_digests`` is present."""
+        return None if self.layer_digests is None else len(self.layer_digests)
+
+    @property
+    def servable_by_layer_range(self) -> bool:
+        """Whether the record lets a holder serve layer ranges (4.4 requires layer_digests)."""
+        return self.layer_digests is not None
+
+    @property
+    def identity(self) -> tuple[str, str, str, str]:
+        """What names one replica: (compat_id, scope_id, block_key, holder) (DESIGN.md 3)."""
+        return (self.compat_id, self.scope_id, self.block_key, self.holder)
+
+    @property
+    def moqt_namespace_fields(self) -> tuple[bytes, ...] | None:
+        if self.moqt_namespace is None:
+            return None
+        return parse_moqt_namespace(self.moqt_namespace)
+
+    def holds_layers(self, first: int, last: int) -> bool:
+        """Whether the residency covers every layer of the inclusive range ``first..last``."""
+        covered = sorted(entry.layers for entry in self.residency)
+        needed = first
+        for start, end in covered:
+            if start > needed:
+                break
+            needed = max(needed, end + 1)
+            if needed > last:
+                return True
+        return needed > last
+
+    def layer_range_digests(self, first: int, last: int) -> tuple[str, ...]:
+        """The layer digests of the inclusive range ``first..last``, to verify a ranged GET.
+
+        A record without ``layer_digests`` cannot be served by layer range (4.4); a range this
+        replica does not hold is ``kvsp-layers-unavailable`` (6.7).
+        """
+        if self.layer_digests is None:
+            raise ProtocolError(
+                "kvsp-layers-unavailable",
+                "the replica has no layer_digests, so it is not served by layer range",
+            )
+        if not (0 <= first <= last < len(self.layer_digests)) or not self.holds_layers(first, last):
+            raise ProtocolError(
+                "kvsp-layers-unavailable", f"the replica does not hold layers {first}-{last}"
+            )
+        return self.layer_digests[first : last + 1]
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            block_key=_required(obj, "block_key"),
+            compat_id=_required(obj, "compat_id"),
+            scope_id=_required(obj, "scope_id"),
+            holder=_required(obj, "holder"),
+            codec=_required(obj, "codec"),
+            size=_required(obj, "size"),
+            digest=_required(obj, "digest"),
+            layer_digests=_optional(
+                obj, "layer_digests", lambda v: _array(v, ("layer_digests",), limits.max_layers)
+            ),
+            residency=_nested_list(
+                ResidencyEntry,
+                _required(obj, "residency"),
+                ("residency",),
+                limits.max_layers,
+                limits,
+            ),
+            ttl_ms=_required(obj, "ttl_ms"),
+            moqt_namespace=_optional(obj, "moqt_namespace"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "block_key": self.block_key,
+            "compat_id": self.compat_id,
+            "scope_id": self.scope_id,
+            "holder": self.holder,
+            "codec": self.codec,
+            "size": self.size,
+            "digest": self.digest,
+        }
+        if self.layer_digests is not None:
+            out["layer_digests"] = list(self.layer_digests)
+        out["residency"] = [entry.to_json() for entry in self.residency]
+        out["ttl_ms"] = self.ttl_ms
+        if self.moqt_namespace is not None:
+            out["moqt_namespace"] = self.moqt_namespace
+        return out
+
+
+# --- Instance Status Record (4.4, 6.3) --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Link(Record):
+    """The instance's link to one holder: its rate and round-trip time."""
+
+    NAME: ClassVar[str] = "link"
+
+    holder: str
+    mbit_per_s: int | float
+    rtt_us: int | float
+
+    def __post_init__(self) -> None:
+        _check_holder(self.holder, ("holder",))
+        _check_number(self.mbit_per_s, ("mbit_per_s",), positive=True)
+        _check_number(self.rtt_us, ("rtt_us",), lo=0)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            holder=_required(obj, "holder"),
+            mbit_per_s=_required(obj, "mbit_per_s"),
+            rtt_us=_required(obj, "rtt_us"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"holder": self.holder, "mbit_per_s": self.mbit_per_s, "rtt_us": self.rtt_us}
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStatusRecord(Record):
+    """An instance's report to the PC (4.4, 6.3).
+
+    Every member of the spec's example is required except ``requested_state`` (absent means
+    null): the PC prices placement with ``queued``, ``prefill_tokens_per_s`` (recompute) and
+    ``decode_tokens_per_s`` (service time), and judges capacity with ``running``, ``batch_size``
+    and ``kv_utilization``, so a record without them is more likely a fault than a choice.
+    ``links`` may be empty; a holder without a link is one the instance cannot be priced to
+    fetch from. ``requested_state`` may only be "sleeping" (6.3: an instance may ask to sleep;
+    waking is the PC's decision). ``compat_ids`` (DESIGN.md section 3) lists the compatibility
+    ids the instance serves; absent or empty, it serves any.
+    """
+
+    NAME: ClassVar[str] = "Instance Status Record"
+
+    instance: str
+    epoch: int
+    state: str
+    running: int
+    queued: int
+    batch_size: int
+    kv_utilization: int | float
+    prefill_tokens_per_s: int | float
+    decode_tokens_per_s: int | float
+    links: tuple[Link, ...]
+    ttl_ms: int
+    requested_state: str | None = None
+    compat_ids: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_base_url(self.instance, ("instance",))
+        _check_int(self.epoch, ("epoch",))
+        _check_choice(self.state, ("state",), frozenset(InstanceState))
+        _check_int(self.running, ("running",))
+        _check_int(self.queued, ("queued",))
+        _check_int(self.batch_size, ("batch_size",))
+        _check_number(self.kv_utilization, ("kv_utilization",), lo=0, hi=1)
+        _check_number(self.prefill_tokens_per_s, ("prefill_tokens_per_s",), positive=True)
+        _check_number(self.decode_tokens_per_s, ("decode_tokens_per_s",), positive=True)
+        _check_tuple(self.links, ("links",))
+        for index, link in enumerate(self.links):
+            if not isinstance(link, Link):
+                _fail(("links", index), "must be a link")
+        _check_unique(self.links, ("links",), lambda link: link.holder, "holder")
+        _check_int(self.ttl_ms, ("ttl_ms",), 1)
+        if self.requested_state is not None:
+            _check_choice(self.requested_state, ("requested_state",), REQUESTABLE_INSTANCE_STATES)
+        if self.compat_ids is not None:
+            _check_hex_list(self.compat_ids, ("compat_ids",), 32)
+            _check_unique(self.compat_ids, ("compat_ids",), lambda c: c)
+
+    def link_to(self, holder: str) -> Link | None:
+        for link in self.links:
+            if link.holder == holder:
+                return link
+        return None
+
+    def serves(self, compat_id: str) -> bool:
+        """Whether placement may consider the instance for ``compat_id`` (DESIGN.md 3)."""
+        return not self.compat_ids or compat_id in self.compat_ids
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            instance=_required(obj, "instance"),
+            epoch=_required(obj, "epoch"),
+            state=_required(obj, "state"),
+            running=_required(obj, "running"),
+            queued=_required(obj, "queued"),
+            batch_size=_required(obj, "batch_size"),
+            kv_utilization=_required(obj, "kv_utilization"),
+            prefill_tokens_per_s=_required(obj, "prefill_tokens_per_s"),
+            decode_tokens_per_s=_required(obj, "decode_tokens_per_s"),
+            links=_nested_list(Link, _required(obj, "links"), ("links",), limits.max_links, limits),
+            ttl_ms=_required(obj, "ttl_ms"),
+            requested_state=_optional(obj, "requested_state"),
+            compat_ids=_optional(
+                obj, "compat_ids", lambda v: _array(v, ("compat_ids",), limits.max_compat_ids)
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "instance": self.instance,
+            "epoch": self.epoch,
+            "state": self.state,
+            "running": self.running,
+            "queued": self.queued,
+            "batch_size": self.batch_size,
+            "kv_utilization": self.kv_utilization,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "links": [link.to_json() for link in self.links],
+            "requested_state": self.requested_state,
+            "ttl_ms": self.ttl_ms,
+        }
+        if self.compat_ids is not None:
+            out["compat_ids"] = list(self.compat_ids)
+        return out
+
+
+# --- Session Checkpoint (4.4, 6.8) ------------------------------------------------------------
+
+
+def _check_probability(value: object, path: Path) -> None:
+    _check_number(value, path, positive=True, hi=1)
+
+
+def _check_positive(value: object, path: Path) -> None:
+    _check_number(value, path, positive=True)
+
+
+def _check_top_k(value: object, path: Path) -> None:
+    _check_int(value, path, 1, UINT32_MAX)
+
+
+# The registered sampler methods: for each, the parameters it requires and the ones it may take,
+# with their checks. These are the samplers the reference engine restores on resume (6.8, step 3);
+# a checkpoint naming another method could not be resumed, so it is refused when published.
+# Other members of "params" are kept as given, for engines that take more (a repetition penalty,
+# say): the resuming engine receives them unchanged.
+SAMPLER_METHODS: Mapping[
+    str, tuple[Mapping[str, Callable[[object, Path], None]], Mapping[str, Callable]]
+] = {
+    "greedy": ({}, {}),
+    "temperature": ({"temperature": _check_positive}, {}),
+    "top-k": ({"k": _check_top_k}, {"temperature": _check_positive}),
+    "top-p": ({"p": _check_probability}, {"temperature": _check_positive}),
+    "min-p": ({"p": _check_probability}, {"temperature": _check_positive}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sampler(Record):
+    """The sampler state of a session (4.4): method, parameters, seed (uint64), step."""
+
+    NAME: ClassVar[str] = "sampler"
+
+    method: str
+    params: JsonObject
+    seed: int
+    step: int
+    deterministic: bool
+
+    def __post_init__(self) -> None:
+        _check_choice(self.method, ("method",), tuple(SAMPLER_METHODS))
+        if isinstance(self.params, Mapping) and not isinstance(self.params, JsonObject):
+            # A caller building a sampler in code may hand a dict; the record keeps it frozen.
+            object.__setattr__(self, "params", freeze_json(self.params, ("params",), [4096], 0, 64))
+        if not isinstance(self.params, JsonObject):
+            _fail(("params",), "must be a JSON object")
+        required, optional = SAMPLER_METHODS[self.method]
+        for name, check in required.items():
+            if name not in self.params:
+                _fail(("params", name), f'is required by method "{self.method}"')
+            check(self.params[name], ("params", name))
+        for name, check in optional.items():
+            if name in self.params:
+                check(self.params[name], ("params", name))
+        _check_int(self.seed, ("seed",), 0, UINT64_MAX)
+        _check_int(self.step, ("step",))
+        _check_bool(self.deterministic, ("deterministic",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        params = _required(obj, "params")
+        if not isinstance(params, dict):
+            _fail(("params",), "must be a JSON object")
+        return cls(
+            method=_required(obj, "method"),
+            params=freeze_json(params, ("params",), [limits.max_params + 1], 0, limits.max_depth),
+            seed=_required(obj, "seed"),
+            step=_required(obj, "step"),
+            deterministic=_required(obj, "deterministic"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "params": self.params.to_json(),
+            "seed": self.seed,
+            "step": self.step,
+            "deterministic": self.deterministic,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCheckpoint(Record):
+    """A session's state, enough for another instance to resume it (4.4, 6.8).
+
+    ``generated`` holds the session's output tokens from the first; ``output_offset`` is how many
+    of them the checkpoint covers, so ``output_offset <= len(generated)``. A resuming instance
+    continues from the covered tokens (``covered_generated``) and labels its first token with
+    index ``output_offset``. Epochs start at ``FIRST_SESSION_EPOCH`` (1).
+    """
+
+    NAME: ClassVar[str] = "Session Checkpoint"
+
+    session: str
+    epoch: int
+    compat_id: str
+    scope_id: str
+    prompt_blocks: tuple[str, ...]
+    prompt_tail: tuple[int, ...]
+    generated: tuple[int, ...]
+    output_offset: int
+    sampler: Sampler
+
+    def __post_init__(self) -> None:
+        _check_uuid(self.session, ("session",))
+        _check_int(self.epoch, ("epoch",), FIRST_SESSION_EPOCH)
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex_list(self.prompt_blocks, ("prompt_blocks",), 32)
+        _check_uint32_list(self.prompt_tail, ("prompt_tail",))
+        _check_uint32_list(self.generated, ("generated",))
+        _check_int(self.output_offset, ("output_offset",))
+        if self.output_offset > len(self.generated):
+            _fail(
+                ("output_offset",),
+                f"covers {self.output_offset} output tokens but generated holds "
+                f"{len(self.generated)}",
+            )
+        if not isinstance(self.sampler, Sampler):
+            _fail(("sampler",), "must be a sampler object")
+
+    @property
+    def covered_generated(self) -> tuple[int, ...]:
+        return self.generated[: self.output_offset]
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            session=_lower(_required(obj, "session")),
+            epoch=_required(obj, "epoch"),
+            compat_id=_required(obj, "compat_id"),
+            scope_id=_required(obj, "scope_id"),
+            prompt_blocks=_array(
+                _required(obj, "prompt_blocks"), ("prompt_blocks",), limits.max_block_keys
+            ),
+            prompt_tail=_array(_required(obj, "prompt_tail"), ("prompt_tail",), limits.max_tokens),
+            generated=_array(_required(obj, "generated"), ("generated",), limits.max_tokens),
+            output_offset=_required(obj, "output_offset"),
+            sampler=_nested(Sampler, _required(obj, "sampler"), ("sampler",), limits),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "epoch": self.epoch,
+            "compat_id": self.compat_id,
+            "scope_id": self.scope_id,
+            "prompt_blocks": list(self.prompt_blocks),
+            "prompt_tail": list(self.prompt_tail),
+            "generated": list(self.generated),
+            "output_offset": self.output_offset,
+            "sampler": self.sampler.to_json(),
+        }
+
+
+# --- Lookup (6.2) and placement (6.4) requests ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest(Record):
+    """POST {is-base}lookup (6.2). ``block_keys`` may be empty (a prompt shorter than a block)."""
+
+    NAME: ClassVar[str] = "lookup request"
+
+    scope_id: str
+    compat_id: str
+    block_keys: tuple[str, ...]
+    targets: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_json(
+        cls, obj: object, limits: Limits = DEFAULT_LIMITS, *, max_keys: int | None = None
+    ) -> Self:
+        """As ``Record.from_json``; ``max_keys``, when given, bounds ``block_keys`` instead of
+        ``limits.max_block_keys``."""
+        if max_keys is not None:
+            limits = dataclasses.replace(limits, max_block_keys=max_keys)
+        return super(LookupRequest, cls).from_json(obj, limits)
+
+    def __post_init__(self) -> None:
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_hex_list(self.block_keys, ("block_keys",), 32)
+        if self.targets is not None:
+            _check_tuple(self.targets, ("targets",))
+            _check_each(self.targets, ("targets",), _check_base_url)
+            _check_unique(self.targets, ("targets",), lambda t: t)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            scope_id=_required(obj, "scope_id"),
+            compat_id=_required(obj, "compat_id"),
+            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
+            targets=_optional(
+                obj, "targets", lambda v: _array(v, ("targets",), limits.max_targets)
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "scope_id": self.scope_id,
+            "compat_id": self.compat_id,
+            "block_keys": list(self.block_keys),
+        }
+        if self.targets is not None:
+            out["targets"] = list(self.targets)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest(Record):
+    """POST CP placements (DESIGN.md section 3): a prompt of at least one token to place."""
+
+    NAME: ClassVar[str] = "placement request"
+
+    scope_id: str
+    compat_id: str
+    tokens: tuple[int, ...]
+    request_ref: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_uint32_list(self.tokens, ("tokens",))
+        if not self.tokens:
+            _fail(("tokens",), "must not be empty")
+        if self.request_ref is not None:
+            _check_text(self.request_ref, ("request_ref",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            scope_id=_required(obj, "scope_id"),
+            compat_id=_required(obj, "compat_id"),
+            tokens=_array(_required(obj, "tokens"), ("tokens",), limits.max_tokens),
+            request_ref=_optional(obj, "request_ref"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "scope_id": self.scope_id,
+            "compat_id": self.compat_id,
+            "tokens": list(self.tokens),
+        }
+        if self.request_ref is not None:
+            out["request_ref"] = self.request_ref
+        return out
+
+
+# --- Prefetch directive and its state (6.5, DESIGN.md section 3) ------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DirectiveBlock(Record):
+    """One block of a prefetch directive and the holders to load it from, preferred first."""
+
+    NAME: ClassVar[str] = "directive block"
+
+    block_key: str
+    sources: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check_hex(self.block_key, ("block_key",), 32)
+        _check_tuple(self.sources, ("sources",), non_empty=True)
+        _check_each(self.sources, ("sources",), _check_holder)
+        _check_unique(self.sources, ("sources",), lambda s: s)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            block_key=_required(obj, "block_key"),
+            sources=_array(_required(obj, "sources"), ("sources",), limits.max_sources),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"block_key": self.block_key, "sources": list(self.sources)}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchDirective(Record):
+    """POST {ii-base}prefetch (6.5). ``layer_order`` defaults to "ascending", the only order."""
+
+    NAME: ClassVar[str] = "prefetch directive"
+
+    directive: str
+    scope_id: str
+    compat_id: str
+    blocks: tuple[DirectiveBlock, ...]
+    deadline_ms: int
+    lease_ms: int
+    request_ref: str | None = None
+    layer_order: str = "ascending"
+
+    def __post_init__(self) -> None:
+        _check_uuid(self.directive, ("directive",))
+        if self.request_ref is not None:
+            _check_text(self.request_ref, ("request_ref",))
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_tuple(self.blocks, ("blocks",), non_empty=True)
+        for index, block in enumerate(self.blocks):
+            if not isinstance(block, DirectiveBlock):
+                _fail(("blocks", index), "must be a directive block")
+        _check_unique(self.blocks, ("blocks",), lambda b: b.block_key, "block_key")
+        _check_choice(self.layer_order, ("layer_order",), LAYER_ORDERS)
+        _check_int(self.deadline_ms, ("deadline_ms",), 1)
+        _check_int(self.lease_ms, ("lease_ms",), 1)
+
+    @property
+    def block_keys(self) -> tuple[str, ...]:
+        return tuple(block.block_key for block in self.blocks)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            directive=_lower(_required(obj, "directive")),
+            request_ref=_optional(obj, "request_ref"),
+            scope_id=_required(obj, "scope_id"),
+            compat_id=_required(obj, "compat_id"),
+            blocks=_nested_list(
+                DirectiveBlock,
+                _required(obj, "blocks"),
+                ("blocks",),
+                limits.max_block_keys,
+                limits,
+            ),
+            layer_order=_default(_optional(obj, "layer_order"), "ascending"),
+            deadline_ms=_required(obj, "deadline_ms"),
+            lease_ms=_required(obj, "lease_ms"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"directive": self.directive}
+        if self.request_ref is not None:
+            out["request_ref"] = self.request_ref
+        out.update(
+            {
+                "scope_id": self.scope_id,
+                "compat_id": self.compat_id,
+                "blocks": [block.to_json() for block in self.blocks],
+                "layer_order": self.layer_order,
+                "deadline_ms": self.deadline_ms,
+                "lease_ms": self.lease_ms,
+            }
+        )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DirectiveState(Record):
+    """GET {ii-base}prefetch/{directive} (6.5, DESIGN.md section 3): the state, the keys loaded
+    so far in prefix order, and a reason (for "partial" and "failed"; null otherwise)."""
+
+    NAME: ClassVar[str] = "directive state"
+
+    directive: str
+    state: str
+    loaded: tuple[str, ...]
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_uuid(self.directive, ("directive",))
+        _check_choice(self.state, ("state",), frozenset(DirectiveStatus))
+        _check_hex_list(self.loaded, ("loaded",), 32)
+        _check_unique(self.loaded, ("loaded",), lambda k: k)
+        if self.reason is not None:
+            _check_text(self.reason, ("reason",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            directive=_lower(_required(obj, "directive")),
+            state=_required(obj, "state"),
+            loaded=_array(_required(obj, "loaded"), ("loaded",), limits.max_block_keys),
+            reason=_optional(obj, "reason"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "directive": self.directive,
+            "state": self.state,
+            "loaded": list(self.loaded),
+            "reason": self.reason,
+        }
+
+
+# --- Leases (6.6) -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest(Record):
+    """POST {holder}leases (6.6).
+
+    Besides the block keys and ``ttl_ms`` the spec names, the request carries ``compat_id`` and
+    ``scope_id``: a holder names a block by (compat, scope, key) (6.7) and must check that the
+    client is authorized for the scope before it pins anything, as it does for a GET.
+    """
+
+    NAME: ClassVar[str] = "lease request"
+
+    compat_id: str
+    scope_id: str
+    block_keys: tuple[str, ...]
+    ttl_ms: int
+
+    def __post_init__(self) -> None:
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex_list(self.block_keys, ("block_keys",), 32, non_empty=True)
+        _check_unique(self.block_keys, ("block_keys",), lambda k: k)
+        _check_int(self.ttl_ms, ("ttl_ms",), 1)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            compat_id=_required(obj, "compat_id"),
+            scope_id=_required(obj, "scope_id"),
+            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
+            ttl_ms=_required(obj, "ttl_ms"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "compat_id": self.compat_id,
+            "scope_id": self.scope_id,
+            "block_keys": list(self.block_keys),
+            "ttl_ms": self.ttl_ms,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewal(Record):
+    """PUT {holder}leases/{id} (6.6): the TTL asked for from now."""
+
+    NAME: ClassVar[str] = "lease renewal"
+
+    ttl_ms: int
+
+    def __post_init__(self) -> None:
+        _check_int(self.ttl_ms, ("ttl_ms",), 1)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(ttl_ms=_required(obj, "ttl_ms"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ttl_ms": self.ttl_ms}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant(Record):
+    """A holder's answer to a lease request or renewal (6.6).
+
+    ``lease`` is the identifier (one URL path segment), ``ttl_ms`` the TTL granted, which the
+    holder may have lowered to its quota, and ``expires_ms`` the expiry in milliseconds since the
+    Unix epoch by the holder's clock, for display; a client times the lease by ``ttl_ms``.
+    """
+
+    NAME: ClassVar[str] = "lease grant"
+
+    lease: str
+    compat_id: str
+    scope_id: str
+    block_keys: tuple[str, ...]
+    ttl_ms: int
+    expires_ms: int
+
+    def __post_init__(self) -> None:
+        _check_segment(self.lease, ("lease",))
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex_list(self.block_keys, ("block_keys",), 32, non_empty=True)
+        _check_unique(self.block_keys, ("block_keys",), lambda k: k)
+        _check_int(self.ttl_ms, ("ttl_ms",), 1)
+        _check_int(self.expires_ms, ("expires_ms",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            lease=_required(obj, "lease"),
+            compat_id=_required(obj, "compat_id"),
+            scope_id=_required(obj, "scope_id"),
+            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
+            ttl_ms=_required(obj, "ttl_ms"),
+            expires_ms=_required(obj, "expires_ms"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lease": self.lease,
+            "compat_id": self.compat_id,
+            "scope_id": self.scope_id,
+            "block_keys": list(self.block_keys),
+            "ttl_ms": self.ttl_ms,
+            "expires_ms": self.expires_ms,
+        }
+
+
+# --- Shard Map and reshard messages (6.9, DESIGN.md section 3) --------------------------------
+
+TokenRange = tuple[int, int]  # half-open [start, end)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Record):
+    NAME: ClassVar[str] = "shard"
+
+    tokens: TokenRange
+    instance: str
+
+    def __post_init__(self) -> None:
+        _check_token_range(self.tokens, ("tokens",))
+        _check_base_url(self.instance, ("instance",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            tokens=_pair(_required(obj, "tokens")),
+            instance=_required(obj, "instance"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens), "instance": self.instance}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMap(Record):
+    """A Shard Map (6.9): which instance holds which token range of one context.
+
+    The shards are contiguous in list order (each starts where the one before ends), hence
+    sorted and non-overlapping. The first need not start at 0: a map describes the range it
+    covers, and tokens outside it belong to no member (a shared prefix held elsewhere, say).
+    An instance may hold several shards.
+    """
+
+    NAME: ClassVar[str] = "Shard Map"
+
+    map: str
+    version: int
+    shards: tuple[Shard, ...]
+
+    def __post_init__(self) -> None:
+        _check_segment(self.map, ("map",))
+        _check_int(self.version, ("version",))
+        _check_tuple(self.shards, ("shards",), non_empty=True)
+        for index, shard in enumerate(self.shards):
+            if not isinstance(shard, Shard):
+                _fail(("shards", index), "must be a shard")
+            if index and shard.tokens[0] != self.shards[index - 1].tokens[1]:
+                _fail(
+                    ("shards", index, "tokens"),
+                    f"must start at {self.shards[index - 1].tokens[1]}, where shards[{index - 1}]"
+                    " ends (shards are contiguous)",
+                )
+
+    @property
+    def covered(self) -> TokenRange:
+        """The token range the map covers: from the first start to the last end."""
+        return (self.shards[0].tokens[0], self.shards[-1].tokens[1])
+
+    @property
+    def instances(self) -> tuple[str, ...]:
+        """The members, in order of their first shard."""
+        return tuple(dict.fromkeys(shard.instance for shard in self.shards))
+
+    def ranges_of(self, instance: str) -> list[TokenRange]:
+        """The ranges ``instance`` holds, sorted, with adjacent ranges merged."""
+        out: list[TokenRange] = []
+        for shard in self.shards:
+            if shard.instance != instance:
+                continue
+            if out and out[-1][1] == shard.tokens[0]:
+                out[-1] = (out[-1][0], shard.tokens[1])
+            else:
+                out.append(shard.tokens)
+        return out
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            map=_required(obj, "map"),
+            version=_required(obj, "version"),
+            shards=_nested_list(
+                Shard, _required(obj, "shards"), ("shards",), limits.max_shards, limits
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "map": self.map,
+            "version": self.version,
+            "shards": [shard.to_json() for shard in self.shards],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRange(Record):
+    """A range a member gains, and the member that holds it in the current version."""
+
+    NAME: ClassVar[str] = "fetch range"
+
+    tokens: TokenRange
+    source: str  # "from" in JSON
+
+    def __post_init__(self) -> None:
+        _check_token_range(self.tokens, ("tokens",))
+        _check_base_url(self.source, ("from",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            tokens=_pair(_required(obj, "tokens")),
+            source=_required(obj, "from"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens), "from": self.source}
+
+
+def _token_ranges(value: object, path: Path, limits: Limits) -> tuple:
+    items = _array(value, path, limits.max_ranges)
+    return tuple(_pair(item) for item in items)
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardPlan(Record):
+    """POST {ii-base}reshard with a plan (6.9): move map ``map`` from version ``from`` to ``to``.
+
+    ``to`` is ``from + 1``. No token is in two of retain, fetch and release, nor twice in one
+    (an instance cannot both keep and load a range, nor keep and release it); the lists need not
+    be sorted. ``instance`` names the member the plan is for: the PC's reshard answer lists one
+    plan per member (DESIGN.md section 3); the body sent to the member may leave it out. A fetch
+    from the plan's own instance is refused.
+    """
+
+    NAME: ClassVar[str] = "reshard plan"
+
+    map: str
+    from_version: int  # "from" in JSON
+    to_version: int  # "to" in JSON
+    deadline_ms: int
+    retain: tuple[TokenRange, ...]
+    fetch: tuple[FetchRange, ...]
+    release: tuple[TokenRange, ...]
+    instance: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_segment(self.map, ("map",))
+        _check_int(self.from_version, ("from",))
+        _check_int(self.to_version, ("to",), 1)
+        if self.to_version != self.from_version + 1:
+            _fail(("to",), f"must be from + 1 = {self.from_version + 1}")
+        _check_int(self.deadline_ms, ("deadline_ms",), 1)
+        if self.instance is not None:
+            _check_base_url(self.instance, ("instance",))
+        # In document order, so that an overlap is reported at the later range.
+        ranges: list[tuple[int, int, Path]] = []
+        _check_tuple(self.retain, ("retain",))
+        for index, value in enumerate(self.retain):
+            _check_token_range(value, ("retain", index))
+            ranges.append((value[0], value[1], ("retain", index)))
+        _check_tuple(self.fetch, ("fetch",))
+        for index, fetch in enumerate(self.fetch):
+            if not isinstance(fetch, FetchRange):
+                _fail(("fetch", index), "must be a fetch range")
+            if fetch.source == self.instance:
+                _fail(("fetch", index, "from"), "is the plan's own instance")
+            ranges.append((fetch.tokens[0], fetch.tokens[1], ("fetch", index, "tokens")))
+        _check_tuple(self.release, ("release",))
+        for index, value in enumerate(self.release):
+            _check_token_range(value, ("release", index))
+            ranges.append((value[0], value[1], ("release", index)))
+        overlap = _first_overlap(ranges, inclusive=False)
+        if overlap:
+            _fail(overlap[0], "overlaps {related}", overlap[1])
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            map=_required(obj, "map"),
+            from_version=_required(obj, "from"),
+            to_version=_required(obj, "to"),
+            deadline_ms=_required(obj, "deadline_ms"),
+            retain=_token_ranges(_required(obj, "retain"), ("retain",), limits),
+            fetch=_nested_list(
+                FetchRange, _required(obj, "fetch"), ("fetch",), limits.max_ranges, limits
+            ),
+            release=_token_ranges(_required(obj, "release"), ("release",), limits),
+            instance=_optional(obj, "instance"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"map": self.map}
+        if self.instance is not None:
+            out["instance"] = self.instance
+        out.update(
+            {
+                "from": self.from_version,
+                "to": self.to_version,
+                "deadline_ms": self.deadline_ms,
+                "retain": [list(r) for r in self.retain],
+                "fetch": [fetch.to_json() for fetch in self.fetch],
+                "release": [list(r) for r in self.release],
+            }
+        )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardCommit(Record):
+    """POST reshard {"map", "commit": v+1} (6.9): version v+1 becomes authoritative."""
+
+    NAME: ClassVar[str] = "reshard commit"
+
+    map: str
+    commit: int
+
+    def __post_init__(self) -> None:
+        _check_segment(self.map, ("map",))
+        _check_int(self.commit, ("commit",), 1)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(map=_required(obj, "map"), commit=_required(obj, "commit"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"map": self.map, "commit": self.commit}
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardAbort(Record):
+    """POST reshard {"map", "abort": v+1} (6.9): members discard what they fetched for v+1."""
+
+    NAME: ClassVar[str] = "reshard abort"
+
+    map: str
+    abort: int
+
+    def __post_init__(self) -> None:
+        _check_segment(self.map, ("map",))
+        _check_int(self.abort, ("abort",), 1)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(map=_required(obj, "map"), abort=_required(obj, "abort"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"map": self.map, "abort": self.abort}
+
+
+def parse_reshard_body(
+    obj: object, limits: Limits = DEFAULT_LIMITS
+) -> ReshardPlan | ReshardCommit | ReshardAbort:
+    """Which of the three POST reshard bodies ``obj`` is (6.9), decoded.
+
+    A body with "commit" is a commit and one with "abort" an abort (other members are then
+    unknown and ignored); a body with both is refused; any other body is a plan.
+    """
+    if not isinstance(obj, dict):
+        raise InvalidRecord((), "a reshard body must be a JSON object")
+    has_commit = obj.get("commit") is not None
+    has_abort = obj.get("abort") is not None
+    if has_commit and has_abort:
+        raise InvalidRecord(("abort",), 'a reshard body cannot carry both "commit" and "abort"')
+    if has_commit:
+        return ReshardCommit.from_json(obj, limits)
+    if has_abort:
+        return ReshardAbort.from_json(obj, limits)
+    return ReshardPlan.from_json(obj, limits)

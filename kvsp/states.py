@@ -1,0 +1,314 @@
+"""The state machines of KVSP: instance lifecycle (spec 6.3), prefetch directive states (6.5),
+reshard phases (6.9) and session epochs (6.3, 6.8).
+
+Each machine is one transition table below, in the manner of h11's ``_state.py``: a state maps
+the events allowed in it to the state they lead to, and every pair not in the table is illegal.
+``TransitionTable.next_state`` answers a pair or raises ``ProtocolError("kvsp-invalid-state")``.
+The tables hold the states and events only; who observes an event (the PC reading a status
+record, a clock, an operator) is written next to each edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Generic, TypeVar
+
+from kvsp.problems import ProtocolError
+
+S = TypeVar("S", bound=StrEnum)
+E = TypeVar("E", bound=StrEnum)
+
+
+class TransitionTable(Generic[S, E]):
+    """One state machine: ``transitions[state][event]`` is the next state."""
+
+    __slots__ = ("machine", "states", "events", "transitions")
+
+    def __init__(
+        self,
+        machine: str,
+        states: type[S],
+        events: type[E],
+        transitions: Mapping[S, Mapping[E, S]],
+    ):
+        # Every state has a row, even a terminal one, so that a state missing from the table is
+        # a mistake in the table and not a silent "nothing allowed".
+        if set(transitions) != set(states):
+            raise ValueError(f"{machine}: the table must have one row per state")
+        self.machine = machine
+        self.states = states
+        self.events = events
+        self.transitions = MappingProxyType(
+            {state: MappingProxyType(dict(row)) for state, row in transitions.items()}
+        )
+
+    def next_state(self, state: S | str, event: E | str) -> S:
+        """The state ``event`` leads to from ``state``; an illegal pair raises."""
+        try:
+            return self.transitions[state][event]
+        except (KeyError, TypeError):
+            raise ProtocolError(
+                "kvsp-invalid-state",
+                f"{self.machine}: {_name(event)!r} is not allowed in state {_name(state)!r}",
+            ) from None
+
+    def allows(self, state: S | str, event: E | str) -> bool:
+        try:
+            return event in self.transitions[state]
+        except (KeyError, TypeError):
+            return False
+
+    def events_allowed(self, state: S | str) -> frozenset[E]:
+        try:
+            return frozenset(self.transitions[state])
+        except (KeyError, TypeError):
+            return frozenset()
+
+    @property
+    def terminal_states(self) -> frozenset[S]:
+        return frozenset(state for state, row in self.transitions.items() if not row)
+
+
+def _name(value: object) -> str:
+    return str(value) if isinstance(value, str) else type(value).__name__
+
+
+# --- Instance lifecycle (spec 6.3) ------------------------------------------------------------
+
+
+class InstanceState(StrEnum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    SLEEPING = "sleeping"
+    FAILED = "failed"
+
+
+class InstanceEvent(StrEnum):
+    # A status record asked for "requested_state": "sleeping" and the PC accepted, answering the
+    # status PUT with {"state": "draining"}. (A refusal answers {"state": "active"} and changes
+    # nothing, so it is not an event.)
+    SLEEP_ACCEPTED = "sleep-accepted"
+    # The PC decided on its own (an operator, a scale-down policy) to drain the instance and sent
+    # PUT state with "draining".
+    DRAIN = "drain"
+    # A draining instance has no in-flight sessions left and reports "state": "sleeping".
+    DRAINED = "drained"
+    # The PC changed the state to active with PUT state: the only way out of sleeping.
+    ACTIVATE = "activate"
+    # The instance's status record expired without a refresh: the PC considers it failed.
+    EXPIRED = "expired"
+    # A status record arrived with an epoch higher than any seen for the instance: it restarted.
+    RESTARTED = "restarted"
+
+
+_I = InstanceState
+_IE = InstanceEvent
+
+INSTANCE_LIFECYCLE: TransitionTable[InstanceState, InstanceEvent] = TransitionTable(
+    "instance lifecycle",
+    InstanceState,
+    InstanceEvent,
+    {
+        _I.ACTIVE: {
+            _IE.SLEEP_ACCEPTED: _I.DRAINING,
+            _IE.DRAIN: _I.DRAINING,
+            _IE.EXPIRED: _I.FAILED,
+            # A restart noticed before the old record expired: the new incarnation has lost the
+            # old one's sessions (the PC resumes them elsewhere) but is otherwise ready to serve.
+            _IE.RESTARTED: _I.ACTIVE,
+        },
+        _I.DRAINING: {
+            _IE.DRAINED: _I.SLEEPING,
+            # The PC may take a drain back when it needs the capacity again.
+            _IE.ACTIVATE: _I.ACTIVE,
+            _IE.EXPIRED: _I.FAILED,
+            # The PC's decision to drain outlives a restart; it answers the new incarnation's
+            # status PUT with {"state": "draining"}, and with no sessions left the instance
+            # reports sleeping at once.
+            _IE.RESTARTED: _I.DRAINING,
+        },
+        _I.SLEEPING: {
+            # "A sleeping instance becomes active only on a state change from the PC."
+            _IE.ACTIVATE: _I.ACTIVE,
+            _IE.EXPIRED: _I.FAILED,
+            # A restart does not wake a sleeping instance, for the same reason.
+            _IE.RESTARTED: _I.SLEEPING,
+        },
+        _I.FAILED: {
+            # Only a new incarnation comes back. A record of the old epoch arriving after expiry
+            # is refused: the PC has already resumed that incarnation's sessions elsewhere under
+            # higher session epochs, and the instance must restart to rejoin.
+            _IE.RESTARTED: _I.ACTIVE,
+        },
+    },
+)
+
+# "The PC MUST NOT assign new requests or send prefetch directives to an instance that is not
+# active."
+ASSIGNABLE_INSTANCE_STATES = frozenset({InstanceState.ACTIVE})
+
+# The only state an instance may ask for in "requested_state" (6.3): it may ask to sleep, but
+# waking is the PC's decision alone.
+REQUESTABLE_INSTANCE_STATES = frozenset({InstanceState.SLEEPING})
+
+
+# --- Prefetch directive states (spec 6.5, DESIGN.md section 3) --------------------------------
+
+
+class DirectiveStatus(StrEnum):
+    """The state of a prefetch directive (the record of it is ``records.DirectiveState``)."""
+
+    PENDING = "pending"
+    PARTIAL = "partial"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class DirectiveEvent(StrEnum):
+    # Every block of the directive is held by the instance (loaded now or held before).
+    ALL_LOADED = "all-loaded"
+    # The deadline expired: the instance stops loading and reports "partial" with the keys it
+    # loaded (possibly none); the request is served with that prefix (6.5).
+    DEADLINE_EXPIRED = "deadline-expired"
+    # The directive cannot be carried out at all: no source of the first missing block could
+    # serve it, the instance is not authorized for the scope, or the instance is not active.
+    LOAD_FAILED = "load-failed"
+
+
+_D = DirectiveStatus
+_DE = DirectiveEvent
+
+DIRECTIVE_STATES: TransitionTable[DirectiveStatus, DirectiveEvent] = TransitionTable(
+    "prefetch directive",
+    DirectiveStatus,
+    DirectiveEvent,
+    {
+        _D.PENDING: {
+            _DE.ALL_LOADED: _D.COMPLETE,
+            _DE.DEADLINE_EXPIRED: _D.PARTIAL,
+            _DE.LOAD_FAILED: _D.FAILED,
+        },
+        # Terminal: the deadline has passed or loading has ended, so nothing more is loaded for
+        # this directive; the PC sends a new directive if it wants more.
+        _D.PARTIAL: {},
+        _D.COMPLETE: {},
+        _D.FAILED: {},
+    },
+)
+
+
+# --- Reshard phases (spec 6.9, DESIGN.md section 3) -------------------------------------------
+
+
+class ReshardPhase(StrEnum):
+    PREPARING = "preparing"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class ReshardEvent(StrEnum):
+    # POST reshard {"map", "commit": v+1}: every member acknowledged the plan.
+    COMMIT = "commit"
+    # POST reshard {"map", "abort": v+1}: a member did not acknowledge within deadline_ms.
+    ABORT = "abort"
+
+
+_R = ReshardPhase
+_RE = ReshardEvent
+
+RESHARD_PHASES: TransitionTable[ReshardPhase, ReshardEvent] = TransitionTable(
+    "reshard",
+    ReshardPhase,
+    ReshardEvent,
+    {
+        _R.PREPARING: {_RE.COMMIT: _R.COMMITTED, _RE.ABORT: _R.ABORTED},
+        # Commit and abort are idempotent, because the PC repeats them to members that did not
+        # answer; the opposite message after either is a late or confused peer and is refused
+        # (a commit after an abort would make a discarded version authoritative).
+        _R.COMMITTED: {_RE.COMMIT: _R.COMMITTED},
+        _R.ABORTED: {_RE.ABORT: _R.ABORTED},
+    },
+)
+
+
+# --- Epochs (spec 6.3 instance epochs, 6.8 session epochs) ------------------------------------
+
+# Session epochs start at 1, as in the spec's checkpoint example; the PC raises a session's
+# epoch by one each time it resumes the session elsewhere (6.8).
+FIRST_SESSION_EPOCH = 1
+
+
+class EpochRole(StrEnum):
+    # The party that raises the epoch itself: the PC for a session's epoch. A message that
+    # claims an epoch it never issued is refused.
+    ISSUER = "issuer"
+    # A party that learns epochs from others: the PC reading instance status records (an
+    # instance raises its own epoch on restart), a front end reading output tokens. A higher
+    # epoch is adopted.
+    OBSERVER = "observer"
+
+
+class EpochComparison(StrEnum):
+    LOWER = "lower"
+    SAME = "same"
+    HIGHER = "higher"
+
+
+class EpochOutcome(StrEnum):
+    STALE = "stale"  # refused with kvsp-stale-epoch
+    KEEP = "keep"  # accepted, the current epoch stays
+    ADVANCE = "advance"  # accepted, the received epoch becomes current
+    UNISSUED = "unissued"  # refused with kvsp-invalid-state
+
+
+EPOCH_RULES: Mapping[EpochRole, Mapping[EpochComparison, EpochOutcome]] = MappingProxyType(
+    {
+        EpochRole.ISSUER: MappingProxyType(
+            {
+                EpochComparison.LOWER: EpochOutcome.STALE,
+                EpochComparison.SAME: EpochOutcome.KEEP,
+                EpochComparison.HIGHER: EpochOutcome.UNISSUED,
+            }
+        ),
+        EpochRole.OBSERVER: MappingProxyType(
+            {
+                EpochComparison.LOWER: EpochOutcome.STALE,
+                EpochComparison.SAME: EpochOutcome.KEEP,
+                EpochComparison.HIGHER: EpochOutcome.ADVANCE,
+            }
+        ),
+    }
+)
+
+
+def compare_epochs(current: int, received: int) -> EpochComparison:
+    if received < current:
+        return EpochComparison.LOWER
+    if received == current:
+        return EpochComparison.SAME
+    return EpochComparison.HIGHER
+
+
+def accept_epoch(role: EpochRole | str, current: int, received: int, what: str = "epoch") -> int:
+    """The epoch that is current after a message carrying ``received``; refusals raise.
+
+    An epoch only rises: a message with a lower epoch than the current one is stale
+    (``kvsp-stale-epoch``). ``what`` names the thing the epoch belongs to in the detail.
+    """
+    outcome = EPOCH_RULES[role][compare_epochs(current, received)]
+    if outcome is EpochOutcome.STALE:
+        raise ProtocolError(
+            "kvsp-stale-epoch", f"{what} {received} is lower than the current epoch {current}"
+        )
+    if outcome is EpochOutcome.UNISSUED:
+        raise ProtocolError(
+            "kvsp-invalid-state", f"{what} {received} is higher than the current epoch {current}"
+        )
+    return received if outcome is EpochOutcome.ADVANCE else current
+
+
+def next_session_epoch(current: int | None) -> int:
+    """The epoch the PC gives a new session (``current`` None) or a resumed one (6.8)."""
+    return FIRST_SESSION_EPOCH if current is None else current + 1
