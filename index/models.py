@@ -54,9 +54,6 @@ class Principal(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    # DRF's IsAuthenticated asks the authenticated object this.
-    is_authenticated = True
-
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
@@ -95,13 +92,16 @@ class Replica(models.Model):
     size = models.PositiveBigIntegerField()
     digest = models.BinaryField(max_length=32)
     layer_digests = models.BinaryField(blank=True, default=b"")
-    residency = models.JSONField(default=list)
+    # Canonical JSON written by the IS itself after validation; lookup splices it unparsed.
+    residency = models.TextField(default="[]")
     tier_mask = models.PositiveSmallIntegerField(default=0)
     moqt_namespace = models.CharField(max_length=400, blank=True, default="")
     ttl_ms = models.PositiveBigIntegerField()
     expires_at = models.DateTimeField(db_index=True)
     published_at = models.DateTimeField()
     refreshed_at = models.DateTimeField()
+    # 0 when the row was inserted, +1 per refresh: tells a publisher 201 from 200 atomically.
+    refresh_count = models.PositiveIntegerField(default=0)
 
     class Meta:
         constraints = [
@@ -121,6 +121,30 @@ class Replica(models.Model):
     @property
     def scope_id_hex(self) -> str:
         return bytes(self.scope_id).hex()
+
+    @property
+    def compat_id_hex(self) -> str:
+        return bytes(self.compat_id).hex()
+
+
+class CompatDescriptor(models.Model):
+    """A registered Compatibility Descriptor (spec 4.1), stored under the id computed from it."""
+
+    compat_id = models.BinaryField(max_length=32, unique=True, editable=False)
+    descriptor = models.JSONField()
+    model = models.CharField(max_length=400)
+    block_tokens = models.PositiveIntegerField()
+    layers = models.PositiveIntegerField()
+    kv_heads = models.PositiveIntegerField()
+    head_dim = models.PositiveIntegerField()
+    kv_dtype = models.CharField(max_length=40)
+    registered_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "compatibility descriptor"
+
+    def __str__(self) -> str:
+        return f"{self.model} ({self.compat_id_hex[:16]}…)"
 
     @property
     def compat_id_hex(self) -> str:

@@ -224,6 +224,17 @@ def _check_each(values: tuple, path: Path, check: Callable[[object, Path], None]
 
 def _check_hex_list(values: object, path: Path, octets: int, *, non_empty: bool = False) -> None:
     _check_tuple(values, path, non_empty=non_empty)
+    # Lookups carry thousands of keys: check them all at once in C, and only look at each one
+    # when something is wrong, to say which.
+    try:
+        joined = "".join(values)
+        same_width = not values or set(map(len, values)) == {2 * octets}
+        if same_width and len(bytes.fromhex(joined)) * 2 == len(joined):
+            # fromhex accepts upper case too; hex digits are lower case when no letter is upper.
+            if joined.islower() or joined.isdigit() or not joined:
+                return
+    except (TypeError, ValueError):
+        pass
     for index, value in enumerate(values):
         _check_hex(value, (*path, index), octets)
 

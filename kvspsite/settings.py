@@ -157,6 +157,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-kvsp.sqlite3")}
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = _int_setting("KVSP_DB_CONN_MAX_AGE", 60)
+    # Server-side binding: digests travel as binary parameters instead of escaped text.
+    DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -1,0 +1,15 @@
+from django.urls import path
+
+import kvspsite.converters  # noqa: F401 - registers hex16 and hex32
+from index.api import views
+
+urlpatterns = [
+    path(
+        "replicas/<hex32:compat_id>/<hex16:scope_id>/<hex32:block_key>",
+        views.ReplicaView.as_view(),
+        name="replica",
+    ),
+    path("lookup", views.LookupView.as_view(), name="lookup"),
+    path("compat/<hex32:compat_id>", views.CompatView.as_view(), name="compat"),
+    path("scopes/<hex16:scope_id>/key", views.ScopeKeyView.as_view(), name="scope-key"),
+]

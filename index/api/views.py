@@ -1,0 +1,101 @@
+"""HTTP surface of the Index Service (DESIGN.md section 3): validate, call a service, answer."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from index import selectors, services
+from index.scopekeys import open_scope_key
+from kvsp.problems import ProtocolError
+from kvsp.records import LookupRequest, ReplicaRecord
+
+
+def _require_object(data) -> dict:
+    if not isinstance(data, dict):
+        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
+    return data
+
+
+class ReplicaView(APIView):
+    """One block's replicas: publish or refresh (PUT), withdraw (DELETE), list (GET); spec 6.1."""
+
+    def put(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
+        record = ReplicaRecord.from_json(_require_object(request.data))
+        for name, in_path, in_body in (
+            ("compat_id", compat_id, record.compat_id_bytes),
+            ("scope_id", scope_id, record.scope_id_bytes),
+            ("block_key", block_key, record.block_key_bytes),
+        ):
+            if in_path != in_body:
+                raise ProtocolError(
+                    "kvsp-malformed-request", f"{name} in the body differs from the path"
+                )
+        published = services.do_publish_replica(request.user, record)
+        return Response(
+            published.to_json(),
+            status=status.HTTP_201_CREATED if published.created else status.HTTP_200_OK,
+        )
+
+    @extend_schema(parameters=[OpenApiParameter("holder", str, required=True)])
+    def delete(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
+        holder = request.query_params.get("holder")
+        if not holder:
+            raise ProtocolError("kvsp-malformed-request", "the query parameter holder is required")
+        services.do_withdraw_replica(request.user, compat_id, scope_id, block_key, holder)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    def get(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
+        found = selectors.replica_rows_by_key(request.user, compat_id, scope_id, [block_key])
+        if block_key not in found:
+            raise ProtocolError("kvsp-not-found", "no unexpired replica of this block")
+        replicas = [row.fragment() for row in found[block_key]]
+        return Response({"block_key": block_key.hex(), "replicas": replicas})
+
+
+class LookupView(APIView):
+    """Prefix lookup (spec 6.2), with fetch and recompute estimates per target (6.4)."""
+
+    def post(self, request):
+        body = _require_object(request.data)
+        keys = body.get("block_keys")
+        if isinstance(keys, list) and len(keys) > settings.KVSP_MAX_LOOKUP_KEYS:
+            raise ProtocolError(
+                "kvsp-payload-too-large",
+                f"at most {settings.KVSP_MAX_LOOKUP_KEYS} block keys per lookup",
+            )
+        lookup = LookupRequest.from_json(body, max_keys=settings.KVSP_MAX_LOOKUP_KEYS)
+        return Response(selectors.lookup(request.user, lookup))
+
+
+class CompatView(APIView):
+    """Register (PUT) or read (GET) a Compatibility Descriptor under its computed id (4.1)."""
+
+    def put(self, request, compat_id: bytes):
+        row, created = services.do_register_descriptor(request.data, compat_id.hex())
+        return Response(
+            row.descriptor, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK
+        )
+
+    def get(self, request, compat_id: bytes):
+        row = selectors.descriptor(compat_id)
+        if row is None:
+            raise ProtocolError("kvsp-not-found", "no descriptor registered under this id")
+        return Response(row.descriptor)
+
+
+class ScopeKeyView(APIView):
+    """The scope key, for principals of the scope: the spec's "means outside this document"."""
+
+    def get(self, request, scope_id: bytes):
+        scope = selectors.scope_for(request.user, scope_id)
+        if scope is None:
+            raise ProtocolError("kvsp-not-found", "no such scope")
+        key = open_scope_key(scope.scope_id, scope.key_ciphertext)
+        return Response(
+            {"scope_id": scope_id.hex(), "name": scope.name, "scope_key": key.hex()},
+            headers={"Cache-Control": "no-store"},
+        )

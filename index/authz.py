@@ -1,0 +1,47 @@
+"""Who may do what in the Index Service (spec 6.1, 6.2; DESIGN.md section 6).
+
+A principal reads a scope it is granted (the controller reads every scope), publishes for the
+holder URLs it lists or for the URL of the instance it is bound to, and is told about another
+scope's data exactly what it would be told if the data did not exist.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from kvsp.problems import ProtocolError
+
+
+def may_read_scope(principal, scope_id: bytes) -> bool:
+    return principal.controller or bytes(scope_id) in principal.scope_ids
+
+
+def may_publish_for(principal, holder_url: str) -> bool:
+    if holder_url in principal.holder_urls:
+        return True
+    if not principal.instance:
+        return False
+    from placement.models import Instance
+
+    return Instance.objects.filter(name=principal.instance, url=holder_url).exists()
+
+
+def check_may_publish(principal, record) -> None:
+    if record.scope_id_bytes not in principal.scope_ids:
+        raise ProtocolError("kvsp-forbidden", "not authorized for the record's scope")
+    if not may_publish_for(principal, record.holder):
+        raise ProtocolError("kvsp-forbidden", f"not authorized to publish for {record.holder}")
+
+
+def check_may_withdraw(principal, scope_id: bytes, holder_url: str) -> None:
+    if bytes(scope_id) not in principal.scope_ids:
+        raise ProtocolError("kvsp-not-found", "no such replica")
+    if not may_publish_for(principal, holder_url):
+        raise ProtocolError("kvsp-forbidden", f"not authorized to withdraw for {holder_url}")
+
+
+def check_holder_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https", "moqt") or not parts.netloc:
+        raise ProtocolError("kvsp-malformed-request", f"{url!r} is not a holder URL")
+    return url

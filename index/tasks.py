@@ -1,0 +1,12 @@
+"""Housekeeping of the Index Service."""
+
+from index import services
+from kvspsite.celery import add_housekeeping, kvsp_task
+
+
+@kvsp_task(name="index.delete_expired_replicas", time_limit=120)
+def delete_expired_replicas():
+    return services.do_delete_expired_replicas()
+
+
+add_housekeeping("delete-expired-replicas", "index.delete_expired_replicas", 30.0)

@@ -1,0 +1,109 @@
+"""Builders for protocol objects and principals used across the tests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import orjson
+from django.test import Client
+
+from index import services
+from index.models import Scope
+
+HOLDER_A = "http://holder-a.test/kvsp/"
+HOLDER_B = "http://holder-b.test/kvsp/"
+
+
+def random_key() -> str:
+    return os.urandom(32).hex()
+
+
+def replica_json(
+    scope_id: str,
+    compat_id: str,
+    block_key: str,
+    holder: str = HOLDER_A,
+    *,
+    layers: int = 4,
+    size: int = 4096,
+    ttl_ms: int = 60_000,
+    residency: list | None = None,
+    seed: bytes = b"",
+) -> dict:
+    """A valid Replica Record whose digest is the SHA-256 of its layer digests."""
+    layer_digests = [
+        hashlib.sha256(seed + block_key.encode() + bytes([layer])).digest()
+        for layer in range(layers)
+    ]
+    return {
+        "block_key": block_key,
+        "compat_id": compat_id,
+        "scope_id": scope_id,
+        "holder": holder,
+        "codec": 1,
+        "size": size,
+        "digest": "sha-256:" + hashlib.sha256(b"".join(layer_digests)).hexdigest(),
+        "layer_digests": [d.hex() for d in layer_digests],
+        "residency": residency or [{"tier": "host", "layers": [0, layers - 1]}],
+        "ttl_ms": ttl_ms,
+    }
+
+
+@dataclass
+class Caller:
+    """A principal's view of the API through Django's test client."""
+
+    name: str
+    token: str
+    client: Client
+
+    def _headers(self, headers: dict | None) -> dict:
+        merged = {"HTTP_AUTHORIZATION": f"Bearer {self.token}"} if self.token else {}
+        merged.update(headers or {})
+        return merged
+
+    def put(self, path: str, body, **headers):
+        return self.client.put(
+            path, orjson.dumps(body), content_type="application/json", **self._headers(headers)
+        )
+
+    def post(self, path: str, body, **headers):
+        return self.client.post(
+            path, orjson.dumps(body), content_type="application/json", **self._headers(headers)
+        )
+
+    def get(self, path: str, data=None, **headers):
+        return self.client.get(path, data, **self._headers(headers))
+
+    def delete(self, path: str, **headers):
+        return self.client.delete(path, **self._headers(headers))
+
+
+def make_scope(name: str) -> Scope:
+    return services.do_create_scope(name)
+
+
+def make_caller(name: str, *, scopes=(), holders=(), instance="", controller=False) -> Caller:
+    issued = services.do_create_principal(
+        name,
+        scope_ids=[bytes(scope.scope_id) for scope in scopes],
+        holder_urls=list(holders),
+        instance=instance,
+        controller=controller,
+    )
+    return Caller(name, issued.token, Client(raise_request_exception=False))
+
+
+def anonymous() -> Caller:
+    return Caller("anonymous", "", Client(raise_request_exception=False))
+
+
+def body(response) -> dict:
+    return orjson.loads(response.content)
+
+
+def problem_name(response) -> str:
+    assert response["Content-Type"] == "application/problem+json", response.content
+    return body(response)["type"].rsplit("/", 1)[-1]
