@@ -76,3 +76,15 @@ def principal_for_token(token: str) -> AuthenticatedPrincipal | None:
         controller=bool(controller),
         scope_ids=frozenset(bytes(row[6]) for row in rows if row[6] is not None),
     )
+
+
+# The Placement Controller acting inside the control plane (failover, placement): it reads every
+# scope, as a controller principal does over HTTP.
+CONTROLLER = AuthenticatedPrincipal(
+    id=0,
+    name="placement-controller",
+    holder_urls=(),
+    instance="",
+    controller=True,
+    scope_ids=frozenset(),
+)

@@ -8,7 +8,6 @@ raw rows in Postgres' binary format, and Replica Records written straight to JSO
 from __future__ import annotations
 
 import functools
-import json
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import NamedTuple
@@ -19,7 +18,7 @@ from django.utils import timezone
 
 from index import authz
 from index.models import CompatDescriptor, Scope
-from kvsp.records import LookupRequest, ReplicaRecord, ResidencyEntry
+from kvsp.records import LookupRequest
 
 _SELECT_REPLICAS = (
     "SELECT r.block_key, h.url, r.codec, r.size, r.digest, r.layer_digests, r.residency, "
@@ -96,24 +95,6 @@ class ReplicaRow(NamedTuple):
         if self.moqt_namespace:
             text += f',"moqt_namespace":{_json_string(self.moqt_namespace)}'
         return orjson.Fragment(text + "}")
-
-    def record(self) -> ReplicaRecord:
-        hexed = self.layer_digests.hex()
-        return ReplicaRecord(
-            block_key=self.block_key.hex(),
-            compat_id=self.compat_hex,
-            scope_id=self.scope_hex,
-            holder=self.holder,
-            codec=self.codec,
-            size=self.size,
-            digest="sha-256:" + self.digest.hex(),
-            residency=tuple(
-                ResidencyEntry.from_json(entry) for entry in json.loads(self.residency_json)
-            ),
-            ttl_ms=self.ttl_ms,
-            layer_digests=tuple(hexed[i : i + 64] for i in range(0, len(hexed), 64)) or None,
-            moqt_namespace=self.moqt_namespace or None,
-        )
 
 
 def replica_rows_by_key(

@@ -78,6 +78,16 @@ def _int_setting(name: str, default: int) -> int:
     return value
 
 
+def _float_setting(name: str, default: float) -> float:
+    try:
+        value = env.float(name, default=default)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={env.str(name)!r} is not a number") from None
+    if value < 0:
+        raise ImproperlyConfigured(f"{name}={value} must not be negative")
+    return value
+
+
 def _url_setting(name: str, default: str, schemes: tuple[str, ...]) -> str:
     value = env.str(name, default=default)
     scheme, sep, _ = value.partition("://")
@@ -190,6 +200,17 @@ KVSP_MAX_LOOKUP_KEYS = _int_setting("KVSP_MAX_LOOKUP_KEYS", 65_536)
 KVSP_MAX_BLOCK_OCTETS = _int_setting("KVSP_MAX_BLOCK_OCTETS", 1024**3)
 KVSP_PREFETCH_DEADLINE_MS = _int_setting("KVSP_PREFETCH_DEADLINE_MS", 5_000)
 KVSP_PREFETCH_LEASE_MS = _int_setting("KVSP_PREFETCH_LEASE_MS", 30_000)
+
+# Placement Controller policy (placement/policy.py).
+KVSP_SLEEP_MIN_ACTIVE = _int_setting("KVSP_SLEEP_MIN_ACTIVE", 1)
+KVSP_SLEEP_MAX_RUNNING = _int_setting("KVSP_SLEEP_MAX_RUNNING", 0)
+KVSP_PLACEMENT_MAX_KV_UTILIZATION = _float_setting("KVSP_PLACEMENT_MAX_KV_UTILIZATION", 0.95)
+KVSP_PLACEMENT_MAX_QUEUE_FACTOR = _float_setting("KVSP_PLACEMENT_MAX_QUEUE_FACTOR", 2.0)
+KVSP_PLACEMENT_MAX_COST_US = _float_setting("KVSP_PLACEMENT_MAX_COST_US", 0.0)
+KVSP_MEAN_OUTPUT_TOKENS = _int_setting("KVSP_MEAN_OUTPUT_TOKENS", 256)
+KVSP_STATUS_SAMPLE_S = _int_setting("KVSP_STATUS_SAMPLE_S", 10)
+KVSP_FAILURE_CHECK_S = _float_setting("KVSP_FAILURE_CHECK_S", 1.0)
+KVSP_DIRECTIVE_POLL_S = _float_setting("KVSP_DIRECTIVE_POLL_S", 0.2)
 
 # Node role.
 KVSP_INSTANCE = env.str("KVSP_INSTANCE", default="")

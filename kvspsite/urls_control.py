@@ -8,5 +8,7 @@ from kvspsite.urls_common import urlpatterns as common
 urlpatterns = [
     *common,
     path("kvsp/", include("index.api.urls")),
+    path("kvsp/", include("placement.api.urls")),
+    path("kvsp/", include("sessions.api.urls")),
     path("admin/", admin.site.urls),
 ]

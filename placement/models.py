@@ -1,19 +1,28 @@
-"""Placement Controller state: instances, their status and lifecycle (spec 6.3), directives sent."""
+"""Placement Controller state: instances, their status and lifecycle (spec 6.3), directives sent
+(6.5). Protocol state here is changed only through ``placement.services``.
+"""
 
 from __future__ import annotations
 
+import uuid
+
 from django.db import models
+
+from kvsp.states import DirectiveStatus
+from kvsp.states import InstanceState as LifecycleState
 
 
 class InstanceState(models.TextChoices):
-    ACTIVE = "active"
-    DRAINING = "draining"
-    SLEEPING = "sleeping"
-    FAILED = "failed"
+    ACTIVE = LifecycleState.ACTIVE.value
+    DRAINING = LifecycleState.DRAINING.value
+    SLEEPING = LifecycleState.SLEEPING.value
+    FAILED = LifecycleState.FAILED.value
 
 
 class Instance(models.Model):
-    """An inference instance: its registration, and the figures of its latest status record."""
+    """An inference instance: its registration, its lifecycle state as the PC decides it, and
+    the figures of its latest accepted status record.
+    """
 
     name = models.CharField(max_length=200, unique=True)
     url = models.CharField(max_length=2000, unique=True, help_text="Its ii-base and holder base.")
@@ -24,22 +33,28 @@ class Instance(models.Model):
     state = models.CharField(
         max_length=16, choices=InstanceState.choices, default=InstanceState.FAILED
     )
-    epoch = models.BigIntegerField(null=True, blank=True, editable=False)
+    state_changed_at = models.DateTimeField(null=True, blank=True)
+    # Bumped by each change of state the PC makes; the state is pushed to the instance with
+    # PUT state until pushed_state_version catches up.
+    state_version = models.PositiveIntegerField(default=0)
+    pushed_state_version = models.PositiveIntegerField(default=0)
+    epoch = models.BigIntegerField(null=True, blank=True)
     running = models.PositiveIntegerField(default=0)
     queued = models.PositiveIntegerField(default=0)
     batch_size = models.PositiveIntegerField(default=0)
     kv_utilization = models.FloatField(default=0.0)
     prefill_tokens_per_s = models.FloatField(null=True, blank=True)
     decode_tokens_per_s = models.FloatField(null=True, blank=True)
-    links = models.JSONField(default=list, blank=True)
     reported_compat_ids = models.JSONField(default=list, blank=True)
-    # The latest accepted Instance Status Record as received: the cost model reads it whole.
-    last_status = models.JSONField(null=True, blank=True, editable=False)
     requested_state = models.CharField(max_length=16, blank=True, default="")
+    # The latest accepted Instance Status Record as received: the cost model reads it whole.
+    last_status = models.JSONField(null=True, blank=True)
     ttl_ms = models.PositiveIntegerField(null=True, blank=True)
+    # Liveness is judged on the controller's clock, never on the reporter's timestamps.
     last_report_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
-    state_changed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    restarts = models.PositiveIntegerField(default=0)
     registered_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -52,5 +67,88 @@ class Instance(models.Model):
         served = set(self.compat_ids) | set(self.reported_compat_ids)
         return not served or compat_id_hex in served
 
-    def link_to(self, holder_url: str) -> dict | None:
-        return next((link for link in self.links if link.get("holder") == holder_url), None)
+    @property
+    def links(self) -> list[dict]:
+        return (self.last_status or {}).get("links", [])
+
+
+class StatusSample(models.Model):
+    """Recent figures of an instance, for trends on the dashboard; pruned by housekeeping."""
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(db_index=True)
+    epoch = models.BigIntegerField()
+    state = models.CharField(max_length=16)
+    running = models.PositiveIntegerField()
+    queued = models.PositiveIntegerField()
+    kv_utilization = models.FloatField()
+    prefill_tokens_per_s = models.FloatField()
+    decode_tokens_per_s = models.FloatField()
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["instance", "-at"])]
+
+    def __str__(self) -> str:
+        return f"{self.instance_id} at {self.at:%H:%M:%S}"
+
+
+class DirectiveState(models.TextChoices):
+    PENDING = DirectiveStatus.PENDING.value
+    PARTIAL = DirectiveStatus.PARTIAL.value
+    COMPLETE = DirectiveStatus.COMPLETE.value
+    FAILED = DirectiveStatus.FAILED.value
+
+
+class Directive(models.Model):
+    """A prefetch directive the PC sent (6.5): a row before it is a message, then the state the
+    instance reports for it.
+    """
+
+    directive = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="directives")
+    request_ref = models.CharField(max_length=400, blank=True, default="")
+    scope_id = models.BinaryField(max_length=16)
+    compat_id = models.BinaryField(max_length=32)
+    # The directive's "blocks": [{"block_key", "sources": [...]}, ...], sources ordered by cost.
+    blocks = models.JSONField()
+    deadline_ms = models.PositiveIntegerField()
+    lease_ms = models.PositiveIntegerField()
+    state = models.CharField(
+        max_length=16, choices=DirectiveState.choices, default=DirectiveState.PENDING
+    )
+    loaded = models.JSONField(default=list, blank=True)
+    reason = models.TextField(blank=True, default="")
+    # Where the instance says the directive's state can be read (its Location answer).
+    status_url = models.CharField(max_length=2000, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    send_error = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.directive} → {self.instance_id}"
+
+    def body(self) -> dict:
+        """The directive as sent (spec 6.5)."""
+        document = {
+            "directive": str(self.directive),
+            "scope_id": bytes(self.scope_id).hex(),
+            "compat_id": bytes(self.compat_id).hex(),
+            "blocks": self.blocks,
+            "layer_order": "ascending",
+            "deadline_ms": self.deadline_ms,
+            "lease_ms": self.lease_ms,
+        }
+        if self.request_ref:
+            document["request_ref"] = self.request_ref
+        return document
+
+    @property
+    def latency_ms(self) -> float | None:
+        if self.finished_at is None:
+            return None
+        return (self.finished_at - self.created_at).total_seconds() * 1000

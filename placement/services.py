@@ -1,13 +1,30 @@
-"""Writes of the Placement Controller (spec 6.3-6.5)."""
+"""Writes of the Placement Controller (spec 6.3-6.5): instance registration, status reports and
+the lifecycle, failure detection, placement and the prefetch directives it sends.
+
+Every change of an instance's state goes through ``_transition``, which asks the lifecycle table
+of ``kvsp.states``; views, tasks, the admin and the dashboard call these functions.
+"""
 
 from __future__ import annotations
 
+import logging
 import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
 
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
-from placement.models import Instance
+from kvsp.records import InstanceStatusRecord
+from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from placement import policy
+from placement.models import Directive, DirectiveState, Instance, InstanceState, StatusSample
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
 
@@ -42,3 +59,196 @@ def do_register_instance(name: str, url: str, *, compat_ids=()) -> Instance:
     if Instance.objects.filter(url=url).exists():
         raise ProtocolError("kvsp-conflict", f"an instance with URL {url} exists already")
     return Instance.objects.create(name=name, url=url, compat_ids=list(compat_ids))
+
+
+def _transition(instance: Instance, event: InstanceEvent, now: datetime) -> bool:
+    """Apply one lifecycle event to a locked instance row; True when the state changed."""
+    new_state = INSTANCE_LIFECYCLE.next_state(instance.state, event)
+    if new_state == instance.state:
+        return False
+    log.info("instance %s: %s -> %s (%s)", instance.name, instance.state, new_state, event)
+    instance.state = new_state
+    instance.state_changed_at = now
+    return True
+
+
+def _fail_pending_directives(instance: Instance, reason: str, now: datetime) -> None:
+    Directive.objects.filter(instance=instance, state=DirectiveState.PENDING).update(
+        state=DirectiveState.FAILED, reason=reason, finished_at=now
+    )
+
+
+@dataclass(frozen=True)
+class StatusAnswer:
+    state: str
+    epoch: int
+    restarted: bool
+
+    def to_json(self) -> dict:
+        return {"state": self.state}
+
+
+def do_report_status(principal, name: str, body: object, *, now=None) -> StatusAnswer:
+    """Accept an Instance Status Record (spec 6.3) and answer with the state the PC decided.
+
+    Reports of one instance are serialized on its row; a record with a lower epoch than the
+    highest seen is discarded, as is one of an epoch whose record already expired.
+    """
+    if principal.instance != name:
+        raise ProtocolError("kvsp-forbidden", f"not the principal of instance {name!r}")
+    record = InstanceStatusRecord.from_json(body)
+    now = now or timezone.now()
+    with transaction.atomic():
+        instance = Instance.objects.select_for_update().filter(name=name).first()
+        if instance is None:
+            raise ProtocolError("kvsp-not-found", f"no instance {name!r} is registered")
+        if record.instance != instance.url:
+            raise ProtocolError(
+                "kvsp-invalid-record", f"instance: {record.instance} is not {instance.url}"
+            )
+        restarted = instance.epoch is None or record.epoch > instance.epoch
+        if not restarted and record.epoch < instance.epoch:
+            raise ProtocolError(
+                "kvsp-stale-epoch",
+                f"epoch {record.epoch} is lower than {instance.epoch}: the record is discarded",
+            )
+        if not restarted and instance.state == InstanceState.FAILED:
+            raise ProtocolError(
+                "kvsp-stale-epoch",
+                f"epoch {record.epoch} expired and the instance was failed: restart to rejoin",
+            )
+        if restarted:
+            _transition(instance, InstanceEvent.RESTARTED, now)
+            if instance.epoch is not None:
+                instance.restarts += 1
+                _fail_pending_directives(instance, "the instance restarted", now)
+                transaction.on_commit(lambda: _instance_lost_sessions(instance.pk))
+            instance.epoch = record.epoch
+        _apply_figures(instance, record, now)
+        if instance.state == InstanceState.DRAINING and record.state == InstanceState.SLEEPING:
+            _transition(instance, InstanceEvent.DRAINED, now)
+        if (
+            record.requested_state == InstanceState.SLEEPING
+            and instance.state == InstanceState.ACTIVE
+            and policy.accept_sleep(instance, record)
+        ):
+            _transition(instance, InstanceEvent.SLEEP_ACCEPTED, now)
+        instance.save()
+        _sample(instance, record, now)
+    return StatusAnswer(instance.state, instance.epoch, restarted)
+
+
+def _apply_figures(instance: Instance, record: InstanceStatusRecord, now: datetime) -> None:
+    instance.running = record.running
+    instance.queued = record.queued
+    instance.batch_size = record.batch_size
+    instance.kv_utilization = record.kv_utilization
+    instance.prefill_tokens_per_s = record.prefill_tokens_per_s
+    instance.decode_tokens_per_s = record.decode_tokens_per_s
+    instance.reported_compat_ids = list(record.compat_ids or ())
+    instance.requested_state = record.requested_state or ""
+    instance.ttl_ms = record.ttl_ms
+    instance.last_status = record.to_json()
+    instance.last_report_at = now
+    instance.expires_at = now + timedelta(milliseconds=record.ttl_ms)
+
+
+def _sample(instance: Instance, record: InstanceStatusRecord, now: datetime) -> None:
+    """Keep a figure for the dashboard at most every KVSP_STATUS_SAMPLE_S per instance."""
+    since = now - timedelta(seconds=settings.KVSP_STATUS_SAMPLE_S)
+    if StatusSample.objects.filter(instance=instance, at__gt=since).exists():
+        return
+    StatusSample.objects.create(
+        instance=instance,
+        at=now,
+        epoch=record.epoch,
+        state=instance.state,
+        running=record.running,
+        queued=record.queued,
+        kv_utilization=record.kv_utilization,
+        prefill_tokens_per_s=record.prefill_tokens_per_s,
+        decode_tokens_per_s=record.decode_tokens_per_s,
+    )
+
+
+def _instance_lost_sessions(instance_id: int) -> None:
+    """The sessions an instance served are gone with it: hand them to the resume logic."""
+    from sessions.services import do_fail_over_instance_sessions
+
+    do_fail_over_instance_sessions(instance_id)
+
+
+# What an operator (or the PC itself) may ask for, as lifecycle events.
+_REQUESTED_EVENT = {
+    InstanceState.ACTIVE: InstanceEvent.ACTIVATE,
+    InstanceState.DRAINING: InstanceEvent.DRAIN,
+    # An instance only sleeps once drained (6.3): asking for sleep drains it.
+    InstanceState.SLEEPING: InstanceEvent.DRAIN,
+}
+
+
+def do_change_state(name: str, requested: str, *, now=None) -> Instance:
+    """An operator's or the PC's state change (spec 6.3), carried out with PUT state on the
+    instance by a task that retries until the instance has it.
+    """
+    if requested not in _REQUESTED_EVENT:
+        raise ProtocolError(
+            "kvsp-invalid-record", "state: must be one of active, draining, sleeping"
+        )
+    now = now or timezone.now()
+    with transaction.atomic():
+        instance = Instance.objects.select_for_update().filter(name=name).first()
+        if instance is None:
+            raise ProtocolError("kvsp-not-found", f"no instance {name!r} is registered")
+        event = _REQUESTED_EVENT[requested]
+        already = instance.state == requested or (
+            requested == InstanceState.SLEEPING and instance.state == InstanceState.DRAINING
+        )
+        if not already and _transition(instance, event, now):
+            instance.state_version += 1
+            instance.save()
+            if event is InstanceEvent.DRAIN:
+                _fail_pending_directives(instance, "the instance is draining", now)
+            version = instance.state_version
+            transaction.on_commit(lambda: _push_state_later(instance.pk, version))
+    return instance
+
+
+def _push_state_later(instance_id: int, version: int) -> None:
+    from placement.tasks import push_state
+
+    push_state.delay(instance_id, version)
+
+
+def do_mark_expired(*, now=None) -> list[int]:
+    """Mark failed every instance whose status record expired on the controller's clock.
+
+    Returns the ids newly failed; their sessions go to the resume logic.
+    """
+    now = now or timezone.now()
+    failed = []
+    candidates = Instance.objects.filter(expires_at__lt=now).exclude(state=InstanceState.FAILED)
+    for instance_id in candidates.values_list("pk", flat=True):
+        with transaction.atomic():
+            # Re-read under lock: a report may have arrived since the query.
+            instance = (
+                Instance.objects.select_for_update()
+                .filter(pk=instance_id, expires_at__lt=now)
+                .exclude(state=InstanceState.FAILED)
+                .first()
+            )
+            if instance is None:
+                continue
+            _transition(instance, InstanceEvent.EXPIRED, now)
+            instance.failed_at = now
+            instance.save()
+            _fail_pending_directives(instance, "the instance failed", now)
+            failed.append(instance.pk)
+            transaction.on_commit(lambda pk=instance.pk: _instance_lost_sessions(pk))
+    return failed
+
+
+def do_prune_samples(*, keep: timedelta = timedelta(hours=1), now=None) -> int:
+    now = now or timezone.now()
+    deleted, _ = StatusSample.objects.filter(at__lt=now - keep).delete()
+    return deleted

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import Server, Worker
+from tests.support.processes import Beat, Server, Worker
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +64,7 @@ def start_process(log_dir):
     started = []
 
     def start(kind: str, name: str, env: dict[str, str], **options):
-        cls = {"server": Server, "worker": Worker}[kind]
+        cls = {"server": Server, "worker": Worker, "beat": Beat}[kind]
         process = cls(name, env, log_dir, **options)
         started.append(process)
         return process.start()

@@ -107,3 +107,35 @@ def body(response) -> dict:
 def problem_name(response) -> str:
     assert response["Content-Type"] == "application/problem+json", response.content
     return body(response)["type"].rsplit("/", 1)[-1]
+
+
+def status_record(url: str, epoch: int = 1, **figures) -> dict:
+    """A valid Instance Status Record (spec 4.4) for an instance at ``url``."""
+    record = {
+        "instance": url,
+        "epoch": epoch,
+        "state": "active",
+        "running": 0,
+        "queued": 0,
+        "batch_size": 32,
+        "kv_utilization": 0.1,
+        "prefill_tokens_per_s": 10_000,
+        "decode_tokens_per_s": 1_000,
+        "links": [],
+        "requested_state": None,
+        "ttl_ms": 3_000,
+    }
+    record.update(figures)
+    return record
+
+
+def make_instance(name: str, url: str | None = None, *, scopes=(), compat_ids=()) -> Caller:
+    """Register an instance and return the caller that speaks for it (and holds for its URL)."""
+    from placement.services import do_register_instance
+
+    instance = do_register_instance(name, url or f"http://{name}.test/kvsp/", compat_ids=compat_ids)
+    return make_caller(f"node-{name}", scopes=scopes, instance=name, holders=[instance.url])
+
+
+def report(caller: Caller, name: str, record: dict):
+    return caller.put(f"/kvsp/instances/{name}/status", record)

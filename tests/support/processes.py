@@ -146,6 +146,28 @@ class Worker(Process):
         return self
 
 
+class Beat(Process):
+    """Celery beat, sending the housekeeping schedule; its schedule file lives in ``log_dir``."""
+
+    def __init__(self, name, env, log_dir):
+        argv = [
+            str(BIN / "celery"),
+            "-A",
+            "kvspsite",
+            "beat",
+            "--schedule",
+            str(log_dir / f"{name}-schedule"),
+            "--loglevel",
+            "INFO",
+        ]
+        super().__init__(name, argv, env, log_dir)
+
+    def start(self) -> Beat:
+        super().start()
+        self.wait_for(lambda: "beat: Starting" in self.log(), "start line")
+        return self
+
+
 def run_manage(
     *args: str, env: dict[str, str], timeout: float = 120
 ) -> subprocess.CompletedProcess:

@@ -1,0 +1,11 @@
+from django.urls import path
+
+from placement.api import views
+
+urlpatterns = [
+    path("instances/", views.InstanceListView.as_view(), name="instances"),
+    path("instances/<str:name>", views.InstanceDetailView.as_view(), name="instance"),
+    path("instances/<str:name>/status", views.InstanceStatusView.as_view(), name="instance-status"),
+    path("instances/<str:name>/state", views.InstanceStateView.as_view(), name="instance-state"),
+    path("placements", views.PlacementView.as_view(), name="placements"),
+]

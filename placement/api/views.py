@@ -1,0 +1,55 @@
+"""HTTP surface of the Placement Controller (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from kvsp.problems import ProtocolError
+from placement import placements, services
+from placement.models import Instance
+from placement.selectors import instance_json
+
+
+def _require_controller(principal) -> None:
+    if not principal.controller:
+        raise ProtocolError("kvsp-forbidden", "only the Placement Controller's principal may")
+
+
+class InstanceStatusView(APIView):
+    """PUT an Instance Status Record (6.3); the answer carries the state the PC decided."""
+
+    def put(self, request, name: str):
+        answer = services.do_report_status(request.user, name, request.data)
+        return Response(answer.to_json())
+
+
+class InstanceStateView(APIView):
+    """An operator's state change (6.3), carried out by the PC with PUT state on the instance."""
+
+    def put(self, request, name: str):
+        _require_controller(request.user)
+        if not isinstance(request.data, dict):
+            raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
+        instance = services.do_change_state(name, request.data.get("state"))
+        return Response(instance_json(instance))
+
+
+class InstanceListView(APIView):
+    def get(self, request):
+        return Response({"instances": [instance_json(i) for i in Instance.objects.all()]})
+
+
+class InstanceDetailView(APIView):
+    def get(self, request, name: str):
+        instance = Instance.objects.filter(name=name).first()
+        if instance is None:
+            raise ProtocolError("kvsp-not-found", f"no instance {name!r} is registered")
+        return Response(instance_json(instance))
+
+
+class PlacementView(APIView):
+    """Choose an instance for a request and prefetch its cache there (6.4, 6.5)."""
+
+    def post(self, request):
+        return Response(placements.do_place(request.user, request.data))

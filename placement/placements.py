@@ -1,0 +1,154 @@
+"""Placement of one request (spec 6.4) and the prefetch directive that follows it (6.5).
+
+``do_place`` computes the prompt's Block Keys with the scope key, looks the keys up in the
+index, prices every active instance that serves the Compatibility ID with the 6.4 cost model,
+and picks the cheapest acceptable one. When none is acceptable and one is sleeping, it wakes
+that one and sends it the directive at once, so that loading overlaps the wake-up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from index import authz
+from index import selectors as index_selectors
+from index.models import CompatDescriptor, Scope
+from index.scopekeys import open_scope_key
+from kvsp import blockkeys, cost
+from kvsp.problems import ProtocolError
+from kvsp.records import PlacementRequest
+from placement import policy, services
+from placement.models import Directive, InstanceState
+from placement.selectors import candidates, matched_blocks
+
+
+@dataclass
+class _Timer:
+    """Microseconds spent in each step, so that an answer explains where its time went."""
+
+    spent: dict
+
+    def __init__(self):
+        self.spent = {}
+        self._last = time.perf_counter()
+
+    def lap(self, step: str) -> None:
+        now = time.perf_counter()
+        self.spent[step] = round((now - self._last) * 1e6)
+        self._last = now
+
+
+def _candidate_json(instance, breakdown: cost.CostBreakdown) -> dict:
+    return {"name": instance.name, "state": instance.state, **breakdown.to_json()}
+
+
+def do_place(principal, body: object, *, now=None) -> dict:
+    """The answer to ``POST placements`` (DESIGN.md section 3)."""
+    timer = _Timer()
+    request = PlacementRequest.from_json(body)
+    now = now or timezone.now()
+    scope_id, compat_id = bytes.fromhex(request.scope_id), bytes.fromhex(request.compat_id)
+    scope = Scope.objects.filter(scope_id=scope_id).first()
+    if scope is None or not authz.may_read_scope(principal, scope_id):
+        raise ProtocolError("kvsp-not-found", "no such scope")
+    descriptor = CompatDescriptor.objects.filter(compat_id=compat_id).first()
+    if descriptor is None:
+        raise ProtocolError(
+            "kvsp-not-found",
+            "no Compatibility Descriptor is registered for compat_id: PUT compat/{id} first",
+        )
+    block_tokens = descriptor.block_tokens
+    keys = blockkeys.block_keys(
+        open_scope_key(scope.scope_id, scope.key_ciphertext),
+        compat_id,
+        request.tokens,
+        block_tokens,
+    )
+    timer.lap("keys")
+
+    found = index_selectors.replica_rows_by_key(principal, compat_id, scope_id, keys, now=now)
+    matched = index_selectors.matched_prefix(keys, found)
+    blocks = matched_blocks([found[key] for key in keys[:matched]])
+    timer.lap("lookup")
+
+    prompt_tokens = len(request.tokens)
+
+    def price(status):
+        return cost.price_instance(
+            status,
+            blocks,
+            block_tokens=block_tokens,
+            prompt_tokens=prompt_tokens,
+            mean_service_time_us=cost.mean_service_time_us(
+                status, prompt_tokens, settings.KVSP_MEAN_OUTPUT_TOKENS
+            ),
+        )
+
+    priced = [
+        (instance, status, price(status))
+        for instance, status in candidates(request.compat_id, now=now)
+    ]
+    acceptable = [entry for entry in priced if policy.acceptable(entry[1], entry[2])]
+    chosen = min(acceptable, key=lambda e: (e[2].cost_us, e[0].url), default=None)
+    woke = False
+    if chosen is None:
+        sleeping = [
+            (instance, status, price(status))
+            for instance, status in candidates(
+                request.compat_id, states=(InstanceState.SLEEPING,), now=now
+            )
+        ]
+        wake = min(sleeping, key=lambda e: (e[2].cost_us, e[0].url), default=None)
+        if wake is not None:
+            services.do_change_state(wake[0].name, InstanceState.ACTIVE, now=now)
+            chosen, woke = wake, True
+        else:
+            # Nobody has acceptable capacity and nobody sleeps: the least bad active one.
+            chosen = min(priced, key=lambda e: (e[2].cost_us, e[0].url), default=None)
+    timer.lap("pricing")
+    if chosen is None:
+        raise ProtocolError(
+            "kvsp-unavailable", "no active or sleeping instance serves this Compatibility ID"
+        )
+
+    instance, _, breakdown = chosen
+    directive = None
+    if breakdown.fetch and (breakdown.uses_cache or woke):
+        directive = _send_directive(instance, request, scope_id, compat_id, breakdown)
+    timer.lap("directive")
+    return {
+        "instance": instance.url,
+        "name": instance.name,
+        "matched": breakdown.matched,
+        "directive": directive,
+        "woke": woke,
+        "candidates": [_candidate_json(i, b) for i, _, b in priced],
+        "timings_us": timer.spent,
+    }
+
+
+def _send_directive(instance, request, scope_id, compat_id, breakdown) -> str:
+    """Record the directive, then send it once the row is committed (a row before a task)."""
+    with transaction.atomic():
+        directive = Directive.objects.create(
+            instance=instance,
+            request_ref=request.request_ref or "",
+            scope_id=scope_id,
+            compat_id=compat_id,
+            blocks=[block.to_json() for block in breakdown.directive_blocks()],
+            deadline_ms=settings.KVSP_PREFETCH_DEADLINE_MS,
+            lease_ms=settings.KVSP_PREFETCH_LEASE_MS,
+        )
+        transaction.on_commit(lambda: _enqueue_send(directive.pk))
+    return f"{instance.url}prefetch/{directive.directive}"
+
+
+def _enqueue_send(directive_id: int) -> None:
+    from placement.tasks import send_directive
+
+    send_directive.delay(directive_id)

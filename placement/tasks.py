@@ -1,0 +1,116 @@
+"""Tasks of the Placement Controller: pushing state changes and directives to instances, polling
+directives, and the housekeeping that detects failed instances. Thin: each re-reads its row,
+returns early when the work is done, and calls one service or one peer request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from kvsp.problems import ProtocolError
+from kvsp.records import DirectiveState as DirectiveStateRecord
+from kvspsite.celery import add_housekeeping, kvsp_task
+from kvspsite.peers import call, peer_client, raise_for_problem
+from placement import services
+from placement.models import Directive, DirectiveState, Instance, InstanceState
+
+log = logging.getLogger(__name__)
+
+
+@kvsp_task(name="placement.push_state", max_retries=20, time_limit=60)
+def push_state(instance_id: int, version: int) -> str:
+    """PUT state on the instance (spec 6.3) until it has the PC's latest decision."""
+    instance = Instance.objects.filter(pk=instance_id).first()
+    if instance is None or instance.pushed_state_version >= version:
+        return "done"
+    if instance.state_version > version:
+        return "superseded"  # a later change has its own task
+    with peer_client() as client:
+        raise_for_problem(
+            call(client, "PUT", f"{instance.url}state", json={"state": instance.state})
+        )
+    Instance.objects.filter(pk=instance_id, pushed_state_version__lt=version).update(
+        pushed_state_version=version
+    )
+    return "pushed"
+
+
+@kvsp_task(name="placement.send_directive", max_retries=5, time_limit=30)
+def send_directive(directive_id: int) -> str:
+    """POST prefetch on the chosen instance (spec 6.5); never to an instance not active."""
+    directive = Directive.objects.select_related("instance").filter(pk=directive_id).first()
+    if directive is None or directive.sent_at is not None:
+        return "done"
+    if directive.state != DirectiveState.PENDING:
+        return directive.state
+    if directive.instance.state != InstanceState.ACTIVE:
+        _finish(directive, DirectiveState.FAILED, reason="the instance is not active")
+        return "failed"
+    with peer_client() as client:
+        response = call(client, "POST", f"{directive.instance.url}prefetch", json=directive.body())
+    if response.status_code >= 500:
+        raise_for_problem(response)  # retried
+    if response.status_code != 202:
+        try:
+            raise_for_problem(response)
+            reason = f"the instance answered {response.status_code}"
+        except ProtocolError as error:
+            reason = error.detail
+        _finish(directive, DirectiveState.FAILED, reason=reason, send_error=reason)
+        return "failed"
+    location = response.headers.get("Location", "")
+    status_url = str(response.url.join(location)) if location else ""
+    Directive.objects.filter(pk=directive_id, sent_at__isnull=True).update(
+        sent_at=timezone.now(), status_url=status_url
+    )
+    poll_directive.apply_async((directive_id,), countdown=settings.KVSP_DIRECTIVE_POLL_S)
+    return "sent"
+
+
+@kvsp_task(name="placement.poll_directive", max_retries=10, time_limit=30)
+def poll_directive(directive_id: int) -> str:
+    """Read a sent directive's state from the instance until it is final."""
+    directive = Directive.objects.select_related("instance").filter(pk=directive_id).first()
+    if directive is None or directive.state != DirectiveState.PENDING:
+        return "done"
+    url = directive.status_url or f"{directive.instance.url}prefetch/{directive.directive}"
+    with peer_client() as client:
+        response = raise_for_problem(call(client, "GET", url))
+    state = DirectiveStateRecord.from_json(response.json())
+    if state.state != DirectiveState.PENDING:
+        _finish(directive, state.state, loaded=list(state.loaded), reason=state.reason or "")
+        return state.state
+    waited_ms = (timezone.now() - directive.created_at).total_seconds() * 1000
+    # The instance stops at the deadline itself; past it (with slack) stop asking.
+    if waited_ms > directive.deadline_ms + 30_000:
+        _finish(directive, DirectiveState.FAILED, reason="no final state was reported in time")
+        return "failed"
+    poll_directive.apply_async((directive_id,), countdown=settings.KVSP_DIRECTIVE_POLL_S)
+    return "pending"
+
+
+def _finish(directive: Directive, state: str, **fields) -> None:
+    with transaction.atomic():
+        Directive.objects.filter(pk=directive.pk, state=DirectiveState.PENDING).update(
+            state=state, finished_at=timezone.now(), **fields
+        )
+
+
+@kvsp_task(name="placement.detect_failures", time_limit=60, max_retries=0)
+def detect_failures() -> int:
+    return len(services.do_mark_expired())
+
+
+@kvsp_task(name="placement.prune_samples", time_limit=120, max_retries=0)
+def prune_samples() -> int:
+    return services.do_prune_samples()
+
+
+add_housekeeping(
+    "detect-failed-instances", "placement.detect_failures", settings.KVSP_FAILURE_CHECK_S
+)
+add_housekeeping("prune-status-samples", "placement.prune_samples", 300.0)

@@ -1,0 +1,76 @@
+"""Sessions, their checkpoints and the front end's token stream (spec 6.8)."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class SessionState(models.TextChoices):
+    RUNNING = "running"
+    # The serving instance failed; the PC raised the epoch and is resuming it elsewhere.
+    RESUMING = "resuming"
+    COMPLETED = "completed"
+    # No checkpoint to resume from, or nowhere to resume it.
+    FAILED = "failed"
+
+
+class Session(models.Model):
+    """A generation session: which instance serves it under which epoch, and the checkpoint
+    with the highest output_offset of that epoch.
+    """
+
+    session = models.UUIDField(unique=True)
+    scope_id = models.BinaryField(max_length=16)
+    compat_id = models.BinaryField(max_length=32)
+    instance = models.ForeignKey(
+        "placement.Instance",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="sessions",
+    )
+    epoch = models.PositiveIntegerField()
+    state = models.CharField(
+        max_length=16, choices=SessionState.choices, default=SessionState.RUNNING
+    )
+    checkpoint = models.JSONField(null=True, blank=True)
+    checkpoint_epoch = models.PositiveIntegerField(default=0)
+    checkpoint_offset = models.PositiveIntegerField(default=0)
+    checkpoints = models.PositiveIntegerField(default=0)
+    # The number of output tokens the front end holds, and the index after the last one once
+    # the instance has said which that is.
+    delivered = models.PositiveIntegerField(default=0)
+    final_length = models.PositiveIntegerField(null=True, blank=True)
+    failovers = models.PositiveIntegerField(default=0)
+    failed_over_at = models.DateTimeField(null=True, blank=True)
+    resumed_first_token_at = models.DateTimeField(null=True, blank=True)
+    resume_sent_at = models.DateTimeField(null=True, blank=True)
+    resume_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return str(self.session)
+
+
+class OutputToken(models.Model):
+    """One delivered output token: each index once, never changed afterwards (6.8)."""
+
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="tokens")
+    index = models.PositiveIntegerField()
+    token = models.PositiveBigIntegerField()
+    epoch = models.PositiveIntegerField()
+    delivered_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["session", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["session", "index"], name="token_index_once")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.session_id}[{self.index}]"

@@ -1,0 +1,377 @@
+"""Session checkpoints, the front end's output stream, and failover (spec 6.8).
+
+The PC issues session epochs (``kvsp.states`` EpochRole.ISSUER): a message from a lower epoch
+is stale everywhere, and one claiming an epoch the PC never issued is refused. Within an epoch
+the stored checkpoint only moves forward (highest ``output_offset``), and each output index is
+delivered once and never changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from index import selectors as index_selectors
+from index.auth import CONTROLLER
+from index.models import CompatDescriptor, Scope
+from index.scopekeys import open_scope_key
+from kvsp import blockkeys, cost
+from kvsp.hexids import parse_uuid
+from kvsp.problems import ProtocolError
+from kvsp.records import SessionCheckpoint
+from kvsp.states import EpochRole, accept_epoch, next_session_epoch
+from placement.models import Instance
+from placement.selectors import candidates, matched_blocks
+from sessions.models import OutputToken, Session, SessionState
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS_PER_POST = 4096
+
+
+def parse_session_id(value: str) -> uuid.UUID:
+    return parse_uuid(value, "session", problem="kvsp-malformed-request")
+
+
+def _principal_instance(principal) -> Instance:
+    instance = (
+        Instance.objects.filter(name=principal.instance).first() if principal.instance else None
+    )
+    if instance is None:
+        raise ProtocolError("kvsp-forbidden", "only the principal of a registered instance may")
+    return instance
+
+
+@dataclass(frozen=True)
+class CheckpointAnswer:
+    session: Session
+    created: bool
+
+    def to_json(self) -> dict:
+        return {
+            "session": str(self.session.session),
+            "epoch": self.session.epoch,
+            "output_offset": self.session.checkpoint_offset,
+        }
+
+
+def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> CheckpointAnswer:
+    """PUT sessions/{session}/checkpoint (6.8): keep the highest output_offset of the current
+    epoch; refuse lower epochs with kvsp-stale-epoch. The answer acknowledges the offset the PC
+    holds, which is what lets an instance release tokens of a non-deterministic sampler.
+    """
+    checkpoint = SessionCheckpoint.from_json(body)
+    key = parse_session_id(session_id)
+    if checkpoint.session != str(key):
+        raise ProtocolError("kvsp-malformed-request", "session in the body differs from the path")
+    if bytes.fromhex(checkpoint.scope_id) not in principal.scope_ids:
+        raise ProtocolError("kvsp-forbidden", "not authorized for the checkpoint's scope")
+    instance = _principal_instance(principal)
+    now = now or timezone.now()
+    created = False
+    if not Session.objects.filter(session=key).exists():
+        accept_epoch(EpochRole.ISSUER, next_session_epoch(None), checkpoint.epoch, "epoch")
+        try:
+            with transaction.atomic():
+                Session.objects.create(
+                    session=key,
+                    scope_id=bytes.fromhex(checkpoint.scope_id),
+                    compat_id=bytes.fromhex(checkpoint.compat_id),
+                    instance=instance,
+                    epoch=checkpoint.epoch,
+                    checkpoint=checkpoint.to_json(),
+                    checkpoint_epoch=checkpoint.epoch,
+                    checkpoint_offset=checkpoint.output_offset,
+                    checkpoints=1,
+                )
+                created = True
+        except IntegrityError:
+            pass  # a concurrent first checkpoint won: treat this one as a later one
+    with transaction.atomic():
+        session = Session.objects.select_for_update().get(session=key)
+        if created:
+            return CheckpointAnswer(session, True)
+        accept_epoch(EpochRole.ISSUER, session.epoch, checkpoint.epoch, "epoch")
+        if session.instance_id != instance.pk:
+            raise ProtocolError("kvsp-forbidden", "the session is served by another instance")
+        if (bytes(session.scope_id), bytes(session.compat_id)) != (
+            bytes.fromhex(checkpoint.scope_id),
+            bytes.fromhex(checkpoint.compat_id),
+        ):
+            raise ProtocolError(
+                "kvsp-invalid-record", "scope_id and compat_id of a session never change"
+            )
+        newer_epoch = session.checkpoint_epoch < checkpoint.epoch
+        if newer_epoch or checkpoint.output_offset > session.checkpoint_offset:
+            session.checkpoint = checkpoint.to_json()
+            session.checkpoint_epoch = checkpoint.epoch
+            session.checkpoint_offset = max(session.checkpoint_offset, checkpoint.output_offset)
+        session.checkpoints += 1
+        if session.state == SessionState.RESUMING:
+            session.state = SessionState.RUNNING
+        session.save()
+    return CheckpointAnswer(session, False)
+
+
+@dataclass(frozen=True)
+class PostedToken:
+    epoch: int
+    index: int
+    token: int
+    final: bool
+
+
+def _parse_output(body: object) -> list[PostedToken]:
+    items = body if isinstance(body, list) else [body]
+    if not items or len(items) > MAX_TOKENS_PER_POST:
+        raise ProtocolError(
+            "kvsp-malformed-request", f"post 1 to {MAX_TOKENS_PER_POST} output tokens"
+        )
+    parsed = []
+    for position, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ProtocolError("kvsp-malformed-request", f"[{position}]: must be an object")
+        values = []
+        for member, limit in (("epoch", 2**31), ("index", 2**31), ("token", 2**32)):
+            value = item.get(member)
+            if type(value) is not int or not 0 <= value < limit:
+                raise ProtocolError(
+                    "kvsp-malformed-request", f"[{position}].{member}: a non-negative integer"
+                )
+            values.append(value)
+        final = item.get("final", False)
+        if type(final) is not bool:
+            raise ProtocolError("kvsp-malformed-request", f"[{position}].final: true or false")
+        parsed.append(PostedToken(*values, final))
+    return parsed
+
+
+def do_post_output(principal, session_id: str, body: object, *, now=None) -> dict:
+    """POST sessions/{session}/output: the front end keeps each index once and refuses tokens
+    of a lower epoch than the session's (6.8). With a non-deterministic sampler, a token not
+    yet covered by an acknowledged checkpoint is refused too: the instance must not release it.
+    """
+    key = parse_session_id(session_id)
+    tokens = _parse_output(body)
+    now = now or timezone.now()
+    with transaction.atomic():
+        session = Session.objects.select_for_update().filter(session=key).first()
+        if session is None or bytes(session.scope_id) not in principal.scope_ids:
+            raise ProtocolError("kvsp-not-found", "no such session")
+        for token in tokens:
+            accept_epoch(EpochRole.ISSUER, session.epoch, token.epoch, "epoch")
+        if principal.instance != (session.instance.name if session.instance else None):
+            raise ProtocolError("kvsp-forbidden", "the session is served by another instance")
+        sampler = (session.checkpoint or {}).get("sampler", {})
+        if not sampler.get("deterministic", False):
+            uncovered = [t.index for t in tokens if t.index >= session.checkpoint_offset]
+            if uncovered:
+                raise ProtocolError(
+                    "kvsp-conflict",
+                    f"index {uncovered[0]} is not covered by an acknowledged checkpoint "
+                    f"(output_offset {session.checkpoint_offset})",
+                )
+        indices = [t.index for t in tokens]
+        existing = set(
+            OutputToken.objects.filter(session=session, index__in=indices).values_list(
+                "index", flat=True
+            )
+        )
+        fresh = {t.index: t for t in tokens if t.index not in existing}
+        OutputToken.objects.bulk_create(
+            [
+                OutputToken(session=session, index=t.index, token=t.token, epoch=t.epoch)
+                for t in fresh.values()
+            ],
+            ignore_conflicts=True,
+        )
+        session.delivered = OutputToken.objects.filter(session=session).count()
+        finals = [t.index + 1 for t in tokens if t.final]
+        if finals:
+            session.final_length = max(finals)
+        if fresh and session.failovers and session.resumed_first_token_at is None:
+            session.resumed_first_token_at = now
+        if session.final_length is not None and session.delivered >= session.final_length:
+            session.state = SessionState.COMPLETED
+            session.completed_at = session.completed_at or now
+        session.save()
+    return {
+        "session": str(key),
+        "epoch": session.epoch,
+        "stored": sorted(fresh),
+        "duplicates": sorted(set(indices) - set(fresh)),
+        "delivered": session.delivered,
+    }
+
+
+def output_of(principal, session_id: str, *, after: int = -1) -> dict:
+    """The delivered tokens after index ``after``, for a principal of the session's scope."""
+    key = parse_session_id(session_id)
+    session = Session.objects.filter(session=key).first()
+    if session is None or not (
+        principal.controller or bytes(session.scope_id) in principal.scope_ids
+    ):
+        raise ProtocolError("kvsp-not-found", "no such session")
+    tokens = OutputToken.objects.filter(session=session, index__gt=after).values_list(
+        "index", "token", "epoch"
+    )
+    return {
+        "session": str(key),
+        "epoch": session.epoch,
+        "state": session.state,
+        "tokens": [{"index": i, "token": t, "epoch": e} for i, t, e in tokens],
+        "complete": session.state == SessionState.COMPLETED,
+    }
+
+
+def session_json(session: Session) -> dict:
+    """A session as the API and the dashboard show it."""
+    return {
+        "session": str(session.session),
+        "epoch": session.epoch,
+        "state": session.state,
+        "instance": session.instance.url if session.instance else None,
+        "instance_name": session.instance.name if session.instance else None,
+        "checkpoint": session.checkpoint,
+        "output_offset": session.checkpoint_offset,
+        "delivered": session.delivered,
+        "final_length": session.final_length,
+        "failovers": session.failovers,
+    }
+
+
+# --- Failover ---------------------------------------------------------------------------------
+
+
+def session_block_keys(session: Session) -> list[bytes]:
+    """The Block Keys of everything the checkpoint covers: prompt blocks, then the complete
+    blocks of prompt tail + covered generated tokens, continuing the same chain (4.2).
+    """
+    checkpoint = SessionCheckpoint.from_json(session.checkpoint)
+    keys = [bytes.fromhex(key) for key in checkpoint.prompt_blocks]
+    scope = Scope.objects.get(scope_id=session.scope_id)
+    descriptor = CompatDescriptor.objects.filter(compat_id=session.compat_id).first()
+    if descriptor is None:
+        return keys
+    chain = blockkeys.BlockKeyChain(
+        open_scope_key(scope.scope_id, scope.key_ciphertext),
+        bytes(session.compat_id),
+        descriptor.block_tokens,
+        previous=keys[-1] if keys else None,
+        count=len(keys),
+    )
+    keys += chain.extend(list(checkpoint.prompt_tail) + list(checkpoint.covered_generated))
+    return keys
+
+
+def resume_plan(session: Session, *, exclude=(), now=None):
+    """The cheapest active instance to resume a session on (6.4), with the blocks to load."""
+    now = now or timezone.now()
+    keys = session_block_keys(session)
+    found = index_selectors.replica_rows_by_key(
+        CONTROLLER, bytes(session.compat_id), bytes(session.scope_id), keys, now=now
+    )
+    matched = index_selectors.matched_prefix(keys, found)
+    blocks = matched_blocks([found[key] for key in keys[:matched]])
+    descriptor = CompatDescriptor.objects.filter(compat_id=session.compat_id).first()
+    block_tokens = descriptor.block_tokens if descriptor else 1
+    checkpoint = SessionCheckpoint.from_json(session.checkpoint)
+    tokens = len(checkpoint.prompt_blocks) * block_tokens + len(checkpoint.prompt_tail)
+    tokens += len(checkpoint.covered_generated)
+    tokens = max(tokens, len(blocks) * block_tokens)
+    priced = []
+    for instance, status in candidates(bytes(session.compat_id).hex(), now=now):
+        if instance.pk in exclude:
+            continue
+        breakdown = cost.price_instance(
+            status,
+            blocks,
+            block_tokens=block_tokens,
+            prompt_tokens=tokens,
+            mean_service_time_us=cost.mean_service_time_us(
+                status, tokens, settings.KVSP_MEAN_OUTPUT_TOKENS
+            ),
+        )
+        priced.append((breakdown.cost_us, instance.url, instance, breakdown))
+    if not priced:
+        return None, None
+    _, _, instance, breakdown = min(priced, key=lambda entry: entry[:2])
+    return instance, breakdown
+
+
+def do_fail_over_instance_sessions(instance_id: int, *, now=None) -> list[uuid.UUID]:
+    """The instance failed or restarted: raise the epoch of each of its sessions and resume
+    them elsewhere (6.8). Sessions without a checkpoint cannot be resumed and fail.
+    """
+    now = now or timezone.now()
+    moved = []
+    for pk in Session.objects.filter(
+        instance_id=instance_id, state__in=[SessionState.RUNNING, SessionState.RESUMING]
+    ).values_list("pk", flat=True):
+        if do_fail_over_session(pk, failed_instance_id=instance_id, now=now):
+            moved.append(pk)
+    return moved
+
+
+def do_fail_over_session(pk: int, *, failed_instance_id: int | None, now=None) -> bool:
+    now = now or timezone.now()
+    with transaction.atomic():
+        session = Session.objects.select_for_update().filter(pk=pk).first()
+        if session is None or session.state in (SessionState.COMPLETED, SessionState.FAILED):
+            return False
+        if failed_instance_id is not None and session.instance_id != failed_instance_id:
+            return False  # already moved by an earlier failover
+        if session.checkpoint is None:
+            session.state = SessionState.FAILED
+            session.resume_error = "the instance failed before the first checkpoint"
+            session.save()
+            return False
+        instance, breakdown = resume_plan(
+            session, exclude={failed_instance_id} if failed_instance_id else set(), now=now
+        )
+        # A session already waiting for an instance keeps the epoch it was given: nobody has
+        # served under it yet.
+        waiting = session.state == SessionState.RESUMING and session.instance_id is None
+        if not waiting:
+            session.epoch = next_session_epoch(session.epoch)
+            session.failovers += 1
+            session.failed_over_at = now
+            session.resumed_first_token_at = None
+        session.state = SessionState.RESUMING
+        session.instance = instance
+        session.resume_sent_at = None
+        session.resume_error = "" if instance else "no active instance serves the session"
+        session.save()
+        log.info("session %s: epoch %s, resuming on %s", session.session, session.epoch, instance)
+        if instance is not None:
+            blocks = [block.to_json() for block in breakdown.directive_blocks()]
+            resident = list(breakdown.resident)
+            epoch = session.epoch
+            transaction.on_commit(lambda: _send_resume_later(pk, epoch, blocks, resident))
+    return True
+
+
+def resume_body(session: Session, blocks: list[dict], resident: list[str]) -> dict:
+    """POST {ii-base}sessions/{session}/resume: the latest checkpoint and the new epoch (6.8),
+    with where to load its blocks from (prefix order; ``resident`` ones the instance holds).
+    """
+    return {
+        "session": str(session.session),
+        "epoch": session.epoch,
+        "checkpoint": session.checkpoint,
+        "blocks": blocks,
+        "resident": resident,
+        "deadline_ms": settings.KVSP_PREFETCH_DEADLINE_MS,
+        "lease_ms": settings.KVSP_PREFETCH_LEASE_MS,
+    }
+
+
+def _send_resume_later(pk: int, epoch: int, blocks: list[dict], resident: list[str]) -> None:
+    from sessions.tasks import send_resume
+
+    send_resume.delay(pk, epoch, blocks, resident)

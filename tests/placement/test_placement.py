@@ -1,0 +1,171 @@
+"""Placement decisions on constructed clusters where the right answer is known by hand (6.4)."""
+
+import pytest
+
+from placement.models import Directive, Instance
+from tests.placement.conftest import HOLDER
+from tests.support.fixtures import body, make_instance, problem_name, report, status_record
+
+pytestmark = pytest.mark.django_db
+
+
+def link(mbit_per_s, rtt_us=10, holder=HOLDER):
+    return {"holder": holder, "mbit_per_s": mbit_per_s, "rtt_us": rtt_us}
+
+
+def up(name, *, scope, **figures):
+    caller = make_instance(name, scopes=[scope])
+    url = f"http://{name}.test/kvsp/"
+    assert body(report(caller, name, status_record(url, **figures)))["state"] == "active"
+    return caller
+
+
+def by_name(answer):
+    return {c["name"]: c for c in answer["candidates"]}
+
+
+def test_a_hit_on_a_fast_link_wins(cluster):
+    cluster.publish(4)
+    up("fast", scope=cluster.scope, links=[link(100_000)])
+    up("cold", scope=cluster.scope, links=[])
+    answer = body(cluster.place())
+    assert answer["name"] == "fast"
+    assert answer["matched"] == 4
+    fast = by_name(answer)["fast"]
+    # 4 MB at 100,000 Mbit/s is 320 us, plus a round trip; then 5 tail tokens at 10,000/s.
+    assert fast["fetch_us"] == pytest.approx(330)
+    assert fast["recompute_unmatched_us"] == pytest.approx(500)
+    assert fast["recompute_all_us"] == pytest.approx(6_900)
+    assert fast["cost_us"] == pytest.approx(830)
+    assert by_name(answer)["cold"]["cost_us"] == pytest.approx(6_900)
+    assert answer["directive"].startswith("http://fast.test/kvsp/prefetch/")
+    directive = Directive.objects.get()
+    assert [b["block_key"] for b in directive.blocks] == cluster.keys
+    assert all(b["sources"] == [HOLDER] for b in directive.blocks)
+    assert directive.request_ref == "req-1"
+
+
+def test_a_hit_on_a_slow_link_loses_to_recompute(cluster):
+    cluster.publish(4)
+    up("slow", scope=cluster.scope, links=[link(100)], prefill_tokens_per_s=10_000)
+    up("quick", scope=cluster.scope, links=[], prefill_tokens_per_s=20_000)
+    answer = body(cluster.place())
+    assert answer["name"] == "quick"
+    slow = by_name(answer)["slow"]
+    assert slow["fetch_us"] == pytest.approx(320_010)
+    # Loading would take longer than recomputing, so the slow one prices recompute...
+    assert slow["cost_us"] == pytest.approx(slow["recompute_all_us"])
+    # ...and the recompute of the faster prefill wins; nothing is prefetched.
+    assert answer["directive"] is None
+    assert not Directive.objects.exists()
+
+
+def test_a_busy_instance_loses_to_an_idle_one(cluster):
+    cluster.publish(4)
+    up("busy", scope=cluster.scope, links=[link(100_000)], queued=4)
+    up("idle", scope=cluster.scope, links=[link(100_000)])
+    answer = body(cluster.place())
+    assert answer["name"] == "idle"
+    busy, idle = by_name(answer)["busy"], by_name(answer)["idle"]
+    assert busy["wait_us"] > 0 and idle["wait_us"] == 0
+    assert busy["fetch_us"] == idle["fetch_us"]
+
+
+def test_resident_blocks_cost_nothing(cluster):
+    warm = up("warm", scope=cluster.scope, links=[link(100)])
+    cluster.publish(4, holder="http://warm.test/kvsp/", caller=warm)
+    answer = body(cluster.place())
+    warm = by_name(answer)["warm"]
+    assert (warm["fetch_us"], answer["matched"]) == (0, 4)
+    assert answer["directive"] is None  # everything is already there
+
+
+def test_never_assign_to_an_instance_that_is_not_active(cluster):
+    from placement.services import do_change_state
+
+    cluster.publish(4)
+    up("cheap", scope=cluster.scope, links=[link(100_000)])
+    up("dear", scope=cluster.scope, links=[])
+    do_change_state("cheap", "draining")
+    answer = body(cluster.place())
+    assert answer["name"] == "dear"
+    assert set(by_name(answer)) == {"dear"}
+
+
+def test_an_instance_serves_only_its_compat_ids(cluster):
+    cluster.publish(4)
+    up("other-model", scope=cluster.scope, links=[link(100_000)], compat_ids=["ab" * 32])
+    up("this-model", scope=cluster.scope, links=[], compat_ids=[cluster.compat])
+    assert body(cluster.place())["name"] == "this-model"
+
+
+def test_partial_prefix(cluster):
+    cluster.publish(2)
+    up("fast", scope=cluster.scope, links=[link(100_000)])
+    answer = body(cluster.place())
+    assert answer["matched"] == 2
+    assert len(Directive.objects.get().blocks) == 2
+
+
+def test_no_instance_is_503(cluster):
+    response = cluster.place()
+    assert response.status_code == 503
+    assert problem_name(response) == "kvsp-unavailable"
+
+
+def test_the_answer_explains_where_the_time_went(cluster):
+    up("any", scope=cluster.scope)
+    timings = body(cluster.place())["timings_us"]
+    assert set(timings) == {"keys", "lookup", "pricing", "directive"}
+
+
+def test_another_scope_is_not_found(cluster):
+    from tests.support.fixtures import make_caller, make_scope
+
+    up("any", scope=cluster.scope)
+    outsider = make_caller("outsider", scopes=[make_scope("tenant-b")])
+    cluster.router = outsider
+    response = cluster.place()
+    assert response.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tokens": "abc"},
+        {"tokens": [-1]},
+        {"compat_id": "zz"},
+        {"scope_id": 5},
+        {"tokens": [2**32]},
+    ],
+)
+def test_malformed_placements(cluster, change):
+    request = {
+        "scope_id": cluster.scope.scope_id_hex,
+        "compat_id": cluster.compat,
+        "tokens": cluster.tokens,
+        **change,
+    }
+    response = cluster.router.post("/kvsp/placements", request)
+    assert response.status_code in (400, 422)
+    assert response["Content-Type"] == "application/problem+json"
+
+
+def test_unregistered_descriptor_is_404(cluster):
+    up("any", scope=cluster.scope)
+    request = {"scope_id": cluster.scope.scope_id_hex, "compat_id": "cd" * 32, "tokens": [1, 2]}
+    response = cluster.router.post("/kvsp/placements", request)
+    assert response.status_code == 404
+    assert "Compatibility Descriptor" in body(response)["detail"]
+
+
+def test_instances_are_listed(cluster):
+    up("ii1", scope=cluster.scope, running=2)
+    listing = body(cluster.router.get("/kvsp/instances/"))["instances"]
+    assert [(i["name"], i["state"], i["running"], i["live"]) for i in listing] == [
+        ("ii1", "active", 2, True)
+    ]
+    detail = body(cluster.router.get("/kvsp/instances/ii1"))
+    assert detail["url"] == "http://ii1.test/kvsp/"
+    assert cluster.router.get("/kvsp/instances/nope").status_code == 404
+    assert Instance.objects.count() == 1

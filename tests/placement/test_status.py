@@ -1,0 +1,185 @@
+"""Instance status reports (spec 6.3): epochs, the answer's state, the sleep policy."""
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import httpx
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from placement.models import Instance, StatusSample
+from placement.services import do_mark_expired
+from tests.support.fixtures import (
+    body,
+    make_caller,
+    make_instance,
+    problem_name,
+    report,
+    status_record,
+)
+
+pytestmark = pytest.mark.django_db
+
+URL = "http://ii1.test/kvsp/"
+
+
+@pytest.fixture
+def ii1():
+    return make_instance("ii1", URL)
+
+
+def test_first_report_makes_an_instance_active(ii1):
+    assert Instance.objects.get().state == "failed"  # never reported yet
+    response = report(ii1, "ii1", status_record(URL, epoch=1000, running=3, queued=1))
+    assert response.status_code == 200
+    assert body(response) == {"state": "active"}
+    instance = Instance.objects.get()
+    assert (instance.state, instance.epoch, instance.running, instance.queued) == (
+        "active",
+        1000,
+        3,
+        1,
+    )
+    assert instance.expires_at > timezone.now()
+    assert StatusSample.objects.filter(instance=instance).count() == 1
+
+
+def test_a_lower_epoch_is_discarded_and_changes_nothing(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=5, running=7))
+    response = report(ii1, "ii1", status_record(URL, epoch=4, running=1))
+    assert response.status_code == 409
+    assert problem_name(response) == "kvsp-stale-epoch"
+    instance = Instance.objects.get()
+    assert (instance.epoch, instance.running) == (5, 7)
+
+
+def test_a_higher_epoch_is_a_restart(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=5))
+    assert body(report(ii1, "ii1", status_record(URL, epoch=9))) == {"state": "active"}
+    instance = Instance.objects.get()
+    assert (instance.epoch, instance.restarts) == (9, 1)
+
+
+def test_expiry_fails_an_instance_and_its_old_epoch_cannot_come_back(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=5, ttl_ms=1000))
+    assert do_mark_expired(now=timezone.now() + timedelta(seconds=2)) == [Instance.objects.get().pk]
+    assert Instance.objects.get().state == "failed"
+    late = report(ii1, "ii1", status_record(URL, epoch=5))
+    assert late.status_code == 409
+    assert Instance.objects.get().state == "failed"
+    assert body(report(ii1, "ii1", status_record(URL, epoch=6))) == {"state": "active"}
+
+
+def test_liveness_is_judged_on_the_controllers_clock(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=5, ttl_ms=60_000))
+    assert do_mark_expired(now=timezone.now() + timedelta(seconds=30)) == []
+    assert do_mark_expired(now=timezone.now() + timedelta(seconds=61)) != []
+
+
+def test_only_the_instances_principal_may_report(ii1):
+    make_instance("ii2")
+    other = make_caller("someone", instance="ii2")
+    assert report(other, "ii1", status_record(URL)).status_code == 403
+    controller = make_caller("pc", controller=True)
+    assert report(controller, "ii1", status_record(URL)).status_code == 403
+    assert Instance.objects.get(name="ii1").epoch is None
+
+
+def test_the_record_must_name_the_registered_url(ii1):
+    response = report(ii1, "ii1", status_record("http://elsewhere.test/kvsp/"))
+    assert response.status_code == 422
+    assert Instance.objects.get().epoch is None
+
+
+def test_unregistered_instance_is_404():
+    ghost = make_caller("ghost", instance="ghost")
+    assert report(ghost, "ghost", status_record("http://ghost.test/kvsp/")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"epoch": -1},
+        {"state": "dozing"},
+        {"kv_utilization": 1.5},
+        {"requested_state": "active"},
+        {"links": [{"holder": "x", "mbit_per_s": 1, "rtt_us": 1}]},
+        {"ttl_ms": 0},
+    ],
+)
+def test_invalid_records_are_refused(ii1, change):
+    response = report(ii1, "ii1", status_record(URL, **change))
+    assert response.status_code == 422
+    assert response["Content-Type"] == "application/problem+json"
+    assert Instance.objects.get().epoch is None
+
+
+def test_unknown_members_are_ignored(ii1):
+    record = status_record(URL, epoch=3)
+    record["x-gpu-temperature"] = 71
+    assert report(ii1, "ii1", record).status_code == 200
+
+
+# --- sleep (spec 6.3) --------------------------------------------------------------------------
+
+
+def test_sleep_is_accepted_when_another_instance_stays_active(ii1):
+    ii2 = make_instance("ii2")
+    report(ii2, "ii2", status_record("http://ii2.test/kvsp/", epoch=1))
+    report(ii1, "ii1", status_record(URL, epoch=1))
+    answer = report(ii1, "ii1", status_record(URL, epoch=1, requested_state="sleeping"))
+    assert body(answer) == {"state": "draining"}
+    # Draining, it finishes its sessions and reports sleeping: the PC records it.
+    answer = report(ii1, "ii1", status_record(URL, epoch=1, state="sleeping"))
+    assert body(answer) == {"state": "sleeping"}
+    # A sleeping instance stays asleep whatever it reports, until the PC wakes it.
+    answer = report(ii1, "ii1", status_record(URL, epoch=1, state="active"))
+    assert body(answer) == {"state": "sleeping"}
+
+
+def test_sleep_is_refused_for_the_last_active_instance(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=1))
+    answer = report(ii1, "ii1", status_record(URL, epoch=1, requested_state="sleeping"))
+    assert body(answer) == {"state": "active"}
+
+
+@override_settings(KVSP_SLEEP_MAX_RUNNING=2)
+def test_sleep_is_refused_under_load(ii1):
+    ii2 = make_instance("ii2")
+    report(ii2, "ii2", status_record("http://ii2.test/kvsp/", epoch=1))
+    busy = status_record(URL, epoch=1, running=3, requested_state="sleeping")
+    assert body(report(ii1, "ii1", busy)) == {"state": "active"}
+    light = status_record(URL, epoch=1, running=2, requested_state="sleeping")
+    assert body(report(ii1, "ii1", light)) == {"state": "draining"}
+
+
+# --- concurrency on Postgres, through a real server --------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_out_of_order_reports_keep_the_highest_epoch(role_env, start_process):
+    caller = make_instance("ii1", URL)
+    server = start_process("server", "control", role_env(), workers=2)
+    epochs = list(range(1, 121))
+    random.Random(7).shuffle(epochs)
+    headers = {"Authorization": f"Bearer {caller.token}"}
+
+    def send(epoch):
+        response = httpx.put(
+            f"{server.url}/kvsp/instances/ii1/status",
+            json=status_record(URL, epoch=epoch, running=epoch),
+            headers=headers,
+            timeout=30,
+        )
+        return response.status_code
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        codes = list(pool.map(send, epochs))
+    assert set(codes) <= {200, 409}
+    instance = Instance.objects.get()
+    assert instance.epoch == 120
+    # The figures are those of the highest epoch: a stale record never overwrote them.
+    assert instance.running == 120
+    assert instance.restarts == codes.count(200) - 1

@@ -1,0 +1,139 @@
+"""Failover (6.8): the PC raises the epoch, resumes elsewhere, and the old epoch is refused."""
+
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from placement.services import do_mark_expired
+from sessions.models import Session
+from tests.placement.conftest import HOLDER
+from tests.sessions.test_checkpoints_and_output import checkpoint
+from tests.support.fixtures import (
+    body,
+    make_caller,
+    make_instance,
+    problem_name,
+    report,
+    status_record,
+)
+from tests.support.standin import StandinNode
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LINKS = [{"holder": HOLDER, "mbit_per_s": 100_000, "rtt_us": 10}]
+
+
+def wait_until(predicate, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+@pytest.fixture
+def worker(role_env, start_process):
+    controller = make_caller("pc", controller=True)
+    env = role_env(KVSP_TOKEN=controller.token)
+    return start_process("worker", "control-worker", env, queues=["control"])
+
+
+def up(node, name, scope, **figures):
+    caller = make_instance(name, node.url, scopes=[scope])
+    assert report(caller, name, status_record(node.url, links=LINKS, **figures)).status_code == 200
+    return caller
+
+
+def test_a_failed_instances_session_resumes_elsewhere_under_a_new_epoch(cluster, worker):
+    cluster.publish(4)
+    session = str(uuid.uuid4())
+    with StandinNode() as a, StandinNode() as b:
+        caller_a = up(a, "a", cluster.scope, ttl_ms=1000)
+        up(b, "b", cluster.scope, ttl_ms=60_000)
+        document = checkpoint(cluster, session, offset=3)
+        assert caller_a.put(f"/kvsp/sessions/{session}/checkpoint", document).status_code == 201
+        caller_a.post(
+            f"/kvsp/sessions/{session}/output",
+            [{"epoch": 1, "index": i, "token": t} for i, t in enumerate(document["generated"])],
+        )
+
+        assert do_mark_expired(now=timezone.now() + timedelta(seconds=2))
+        (resume,) = b.wait_for("POST", f"/kvsp/sessions/{session}/resume")
+        wait_until(lambda: Session.objects.get().resume_sent_at is not None, "resume sent")
+
+        # The paused instance wakes up and keeps going: everything it says is refused.
+        zombie = checkpoint(cluster, session, offset=5)
+        stale = caller_a.put(f"/kvsp/sessions/{session}/checkpoint", zombie)
+        assert problem_name(stale) == "kvsp-stale-epoch"
+        late = caller_a.post(
+            f"/kvsp/sessions/{session}/output", {"epoch": 1, "index": 3, "token": 1}
+        )
+        assert problem_name(late) == "kvsp-stale-epoch"
+        assert report(caller_a, "a", status_record(a.url, ttl_ms=1000)).status_code == 409
+        assert not a.received("POST", f"/kvsp/sessions/{session}/resume")
+
+    assert resume["epoch"] == 2
+    assert resume["checkpoint"]["output_offset"] == 3
+    assert resume["checkpoint"]["session"] == session
+    assert [block["block_key"] for block in resume["blocks"]] == cluster.keys
+    assert all(block["sources"] == [HOLDER] for block in resume["blocks"])
+    row = Session.objects.get()
+    assert (row.epoch, row.instance.name, row.failovers, row.state) == (2, "b", 1, "resuming")
+
+    # The new instance checkpoints under the new epoch and delivers from output_offset on.
+    caller_b = make_caller("node-b-2", scopes=[cluster.scope], instance="b")
+    resumed = checkpoint(cluster, session, epoch=2, offset=4)
+    assert caller_b.put(f"/kvsp/sessions/{session}/checkpoint", resumed).status_code == 200
+    answer = caller_b.post(
+        f"/kvsp/sessions/{session}/output",
+        [
+            {"epoch": 2, "index": 2, "token": 999},  # regenerated duplicate: dropped
+            {"epoch": 2, "index": 3, "token": 503, "final": True},
+        ],
+    )
+    assert (body(answer)["stored"], body(answer)["duplicates"]) == ([3], [2])
+    row.refresh_from_db()
+    assert (row.state, row.delivered, row.checkpoint_epoch) == ("completed", 4, 2)
+    assert row.resumed_first_token_at is not None
+
+
+def test_a_refused_resume_moves_on_to_another_instance(cluster, worker):
+    cluster.publish(4)
+    session = str(uuid.uuid4())
+    with StandinNode() as a, StandinNode() as b, StandinNode() as c:
+        caller_a = up(a, "a", cluster.scope, ttl_ms=1000)
+        up(b, "b", cluster.scope, ttl_ms=60_000)  # cheapest: idle
+        up(c, "c", cluster.scope, ttl_ms=60_000, queued=2)
+        b.answers[("POST", "/kvsp/sessions/")] = (
+            409,
+            {"type": "https://kvsp.dev/problems/kvsp-invalid-state", "detail": "draining"},
+        )
+        caller_a.put(f"/kvsp/sessions/{session}/checkpoint", checkpoint(cluster, session))
+        do_mark_expired(now=timezone.now() + timedelta(seconds=2))
+        b.wait_for("POST", f"/kvsp/sessions/{session}/resume")
+        (resume,) = c.wait_for("POST", f"/kvsp/sessions/{session}/resume")
+        wait_until(lambda: Session.objects.get().resume_sent_at is not None, "resume sent")
+    assert resume["epoch"] == 3  # one epoch per attempt: b never served under 2
+    row = Session.objects.get()
+    assert (row.instance.name, row.epoch, row.failovers) == ("c", 3, 2)
+
+
+def test_with_nowhere_to_go_the_session_waits_with_its_new_epoch(cluster, worker):
+    session = str(uuid.uuid4())
+    with StandinNode() as a:
+        caller_a = up(a, "a", cluster.scope, ttl_ms=1000)
+        caller_a.put(f"/kvsp/sessions/{session}/checkpoint", checkpoint(cluster, session))
+        do_mark_expired(now=timezone.now() + timedelta(seconds=2))
+    row = Session.objects.get()
+    assert (row.state, row.epoch, row.instance) == ("resuming", 2, None)
+    with StandinNode() as b:
+        up(b, "b", cluster.scope, ttl_ms=60_000)
+        from sessions.tasks import retry_stalled
+
+        assert retry_stalled() == 1
+        (resume,) = b.wait_for("POST", f"/kvsp/sessions/{session}/resume")
+    assert resume["epoch"] == 2
