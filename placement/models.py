@@ -54,6 +54,7 @@ class Instance(models.Model):
     last_report_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
     failed_at = models.DateTimeField(null=True, blank=True)
+    last_sample_at = models.DateTimeField(null=True, blank=True)
     restarts = models.PositiveIntegerField(default=0)
     registered_at = models.DateTimeField(auto_now_add=True)
 

@@ -19,10 +19,10 @@ from index import authz
 from index import selectors as index_selectors
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
-from kvsp import blockkeys, cost
+from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import PlacementRequest
-from placement import policy, services
+from placement import policy, pricing, services
 from placement.models import Directive, InstanceState
 from placement.selectors import candidates, matched_blocks
 
@@ -43,8 +43,8 @@ class _Timer:
         self._last = now
 
 
-def _candidate_json(instance, breakdown: cost.CostBreakdown) -> dict:
-    return {"name": instance.name, "state": instance.state, **breakdown.to_json()}
+def _candidate_json(instance, price: pricing.Price) -> dict:
+    return {"name": instance.name, "state": instance.state, **price.to_json()}
 
 
 def do_place(principal, body: object, *, now=None) -> dict:
@@ -77,46 +77,27 @@ def do_place(principal, body: object, *, now=None) -> dict:
     timer.lap("lookup")
 
     prompt_tokens = len(request.tokens)
-
-    def price(status):
-        return cost.price_instance(
-            status,
-            blocks,
-            block_tokens=block_tokens,
-            prompt_tokens=prompt_tokens,
-            mean_service_time_us=cost.mean_service_time_us(
-                status, prompt_tokens, settings.KVSP_MEAN_OUTPUT_TOKENS
-            ),
-        )
-
-    priced = [
-        (instance, status, price(status))
-        for instance, status in candidates(request.compat_id, now=now)
-    ]
-    acceptable = [entry for entry in priced if policy.acceptable(entry[1], entry[2])]
-    chosen = min(acceptable, key=lambda e: (e[2].cost_us, e[0].url), default=None)
+    terms = {"block_tokens": block_tokens, "prompt_tokens": prompt_tokens}
+    priced = pricing.price_candidates(candidates(request.compat_id, now=now), blocks, **terms)
+    chosen = pricing.cheapest([e for e in priced if policy.acceptable(e[1], e[2])])
     woke = False
     if chosen is None:
-        sleeping = [
-            (instance, status, price(status))
-            for instance, status in candidates(
-                request.compat_id, states=(InstanceState.SLEEPING,), now=now
-            )
-        ]
-        wake = min(sleeping, key=lambda e: (e[2].cost_us, e[0].url), default=None)
+        sleeping = candidates(request.compat_id, states=(InstanceState.SLEEPING,), now=now)
+        wake = pricing.cheapest(pricing.price_candidates(sleeping, blocks, **terms))
         if wake is not None:
             services.do_change_state(wake[0].name, InstanceState.ACTIVE, now=now)
             chosen, woke = wake, True
         else:
             # Nobody has acceptable capacity and nobody sleeps: the least bad active one.
-            chosen = min(priced, key=lambda e: (e[2].cost_us, e[0].url), default=None)
+            chosen = pricing.cheapest(priced)
     timer.lap("pricing")
     if chosen is None:
         raise ProtocolError(
             "kvsp-unavailable", "no active or sleeping instance serves this Compatibility ID"
         )
 
-    instance, _, breakdown = chosen
+    instance, status, _ = chosen
+    breakdown = pricing.breakdown(status, blocks, **terms)
     directive = None
     if breakdown.fetch and (breakdown.uses_cache or woke):
         directive = _send_directive(instance, request, scope_id, compat_id, breakdown)

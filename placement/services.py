@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from kvsp.hexids import is_hex
@@ -92,12 +92,17 @@ def do_report_status(principal, name: str, body: object, *, now=None) -> StatusA
     """Accept an Instance Status Record (spec 6.3) and answer with the state the PC decided.
 
     Reports of one instance are serialized on its row; a record with a lower epoch than the
-    highest seen is discarded, as is one of an epoch whose record already expired.
+    highest seen is discarded, as is one of an epoch whose record already expired. The common
+    report (same epoch, nothing asked for) is one conditional UPDATE; anything else takes the
+    row lock and walks the lifecycle table.
     """
     if principal.instance != name:
         raise ProtocolError("kvsp-forbidden", f"not the principal of instance {name!r}")
     record = InstanceStatusRecord.from_json(body)
     now = now or timezone.now()
+    heartbeat = _heartbeat(name, record, now)
+    if heartbeat is not None:
+        return heartbeat
     with transaction.atomic():
         instance = Instance.objects.select_for_update().filter(name=name).first()
         if instance is None:
@@ -133,9 +138,64 @@ def do_report_status(principal, name: str, body: object, *, now=None) -> StatusA
             and policy.accept_sleep(instance, record)
         ):
             _transition(instance, InstanceEvent.SLEEP_ACCEPTED, now)
+        sample = instance.last_sample_at is None or instance.last_sample_at <= _sample_due(now)
+        if sample:
+            instance.last_sample_at = now
         instance.save()
-        _sample(instance, record, now)
+        if sample:
+            _sample(instance.pk, instance.state, record, now)
     return StatusAnswer(instance.state, instance.epoch, restarted)
+
+
+_HEARTBEAT = """
+UPDATE placement_instance SET
+    running = %s, queued = %s, batch_size = %s, kv_utilization = %s,
+    prefill_tokens_per_s = %s, decode_tokens_per_s = %s, reported_compat_ids = %s,
+    requested_state = '', ttl_ms = %s, last_status = %s, last_report_at = %s, expires_at = %s,
+    last_sample_at = CASE WHEN last_sample_at IS NULL OR last_sample_at <= %s
+                          THEN %s ELSE last_sample_at END
+WHERE name = %s AND url = %s AND epoch = %s AND state <> 'failed'
+    AND NOT (state = 'draining' AND %s = 'sleeping')
+RETURNING id, state, last_sample_at = %s
+"""
+
+
+def _heartbeat(name: str, record: InstanceStatusRecord, now: datetime) -> StatusAnswer | None:
+    """The steady-state report in one statement: same epoch, live, nothing to decide."""
+    if record.requested_state is not None:
+        return None
+    json_field = Instance._meta.get_field("last_status")
+    adapt = connection.ops.adapt_datetimefield_value
+    stamp = adapt(now)
+    params = [
+        record.running,
+        record.queued,
+        record.batch_size,
+        record.kv_utilization,
+        record.prefill_tokens_per_s,
+        record.decode_tokens_per_s,
+        json_field.get_db_prep_value(list(record.compat_ids or ()), connection),
+        record.ttl_ms,
+        json_field.get_db_prep_value(record.to_json(), connection),
+        stamp,
+        adapt(now + timedelta(milliseconds=record.ttl_ms)),
+        adapt(_sample_due(now)),
+        stamp,
+        name,
+        record.instance,
+        record.epoch,
+        record.state,
+        stamp,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(_HEARTBEAT, params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    instance_id, state, sampled = row
+    if sampled:
+        _sample(instance_id, state, record, now)
+    return StatusAnswer(state, record.epoch, False)
 
 
 def _apply_figures(instance: Instance, record: InstanceStatusRecord, now: datetime) -> None:
@@ -153,16 +213,17 @@ def _apply_figures(instance: Instance, record: InstanceStatusRecord, now: dateti
     instance.expires_at = now + timedelta(milliseconds=record.ttl_ms)
 
 
-def _sample(instance: Instance, record: InstanceStatusRecord, now: datetime) -> None:
+def _sample_due(now: datetime) -> datetime:
     """Keep a figure for the dashboard at most every KVSP_STATUS_SAMPLE_S per instance."""
-    since = now - timedelta(seconds=settings.KVSP_STATUS_SAMPLE_S)
-    if StatusSample.objects.filter(instance=instance, at__gt=since).exists():
-        return
+    return now - timedelta(seconds=settings.KVSP_STATUS_SAMPLE_S)
+
+
+def _sample(instance_id: int, state: str, record: InstanceStatusRecord, now: datetime) -> None:
     StatusSample.objects.create(
-        instance=instance,
+        instance_id=instance_id,
         at=now,
         epoch=record.epoch,
-        state=instance.state,
+        state=state,
         running=record.running,
         queued=record.queued,
         kv_utilization=record.kv_utilization,

@@ -20,11 +20,12 @@ from index import selectors as index_selectors
 from index.auth import CONTROLLER
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
-from kvsp import blockkeys, cost
+from kvsp import blockkeys
 from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import SessionCheckpoint
 from kvsp.states import EpochRole, accept_epoch, next_session_epoch
+from placement import pricing
 from placement.models import Instance
 from placement.selectors import candidates, matched_blocks
 from sessions.models import OutputToken, Session, SessionState
@@ -284,24 +285,17 @@ def resume_plan(session: Session, *, exclude=(), now=None):
     tokens = len(checkpoint.prompt_blocks) * block_tokens + len(checkpoint.prompt_tail)
     tokens += len(checkpoint.covered_generated)
     tokens = max(tokens, len(blocks) * block_tokens)
-    priced = []
-    for instance, status in candidates(bytes(session.compat_id).hex(), now=now):
-        if instance.pk in exclude:
-            continue
-        breakdown = cost.price_instance(
-            status,
-            blocks,
-            block_tokens=block_tokens,
-            prompt_tokens=tokens,
-            mean_service_time_us=cost.mean_service_time_us(
-                status, tokens, settings.KVSP_MEAN_OUTPUT_TOKENS
-            ),
-        )
-        priced.append((breakdown.cost_us, instance.url, instance, breakdown))
-    if not priced:
+    terms = {"block_tokens": block_tokens, "prompt_tokens": tokens}
+    entries = [
+        (instance, status)
+        for instance, status in candidates(bytes(session.compat_id).hex(), now=now)
+        if instance.pk not in exclude
+    ]
+    chosen = pricing.cheapest(pricing.price_candidates(entries, blocks, **terms))
+    if chosen is None:
         return None, None
-    _, _, instance, breakdown = min(priced, key=lambda entry: entry[:2])
-    return instance, breakdown
+    instance, status, _ = chosen
+    return instance, pricing.breakdown(status, blocks, **terms)
 
 
 def do_fail_over_instance_sessions(instance_id: int, *, now=None) -> list[uuid.UUID]:

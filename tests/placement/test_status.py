@@ -183,3 +183,24 @@ def test_concurrent_out_of_order_reports_keep_the_highest_epoch(role_env, start_
     # The figures are those of the highest epoch: a stale record never overwrote them.
     assert instance.running == 120
     assert instance.restarts == codes.count(200) - 1
+
+
+def test_heartbeats_update_figures_and_sample_every_interval(ii1):
+    from index.auth import principal_for_token
+    from placement.services import do_report_status
+
+    principal = principal_for_token(ii1.token)
+    start = timezone.now()
+    for second in range(25):
+        answer = do_report_status(
+            principal,
+            "ii1",
+            status_record(URL, epoch=1, running=second),
+            now=start + timedelta(seconds=second),
+        )
+        assert answer.state == "active"
+    instance = Instance.objects.get()
+    assert instance.running == 24
+    assert instance.expires_at == start + timedelta(seconds=24, milliseconds=3000)
+    # One sample per KVSP_STATUS_SAMPLE_S (10 s): at 0, 10 and 20 seconds.
+    assert [s.running for s in StatusSample.objects.order_by("at")] == [0, 10, 20]

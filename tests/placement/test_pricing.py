@@ -1,0 +1,100 @@
+"""The fleet-wide pricing equals the reference cost model, instance by instance (6.4)."""
+
+import hashlib
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsp import cost
+from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord, ResidencyEntry
+from placement.pricing import price_all
+
+HOLDERS = [f"http://h{n}.test/kvsp/" for n in range(4)]
+INSTANCES = [f"http://ii{n}.test/kvsp/" for n in range(5)]
+
+
+def replica(key: str, holder: str, size: int, split: int | None, tier_rate: int | None):
+    digests = [hashlib.sha256(f"{key}{n}".encode()).hexdigest() for n in range(4)]
+    if split is None:
+        residency = (ResidencyEntry("host", (0, 3), tier_rate),)
+    else:
+        residency = (
+            ResidencyEntry("device", (0, split)),
+            ResidencyEntry("disk", (split + 1, 3), tier_rate),
+        )
+    return ReplicaRecord(
+        block_key=key,
+        compat_id="c0" * 32,
+        scope_id="5a" * 16,
+        holder=holder,
+        codec=1,
+        size=size,
+        digest="sha-256:" + hashlib.sha256(b"".join(bytes.fromhex(d) for d in digests)).hexdigest(),
+        residency=residency,
+        ttl_ms=1000,
+        layer_digests=tuple(digests),
+    )
+
+
+holder_urls = st.sampled_from(HOLDERS + INSTANCES)
+replica_options = st.tuples(
+    holder_urls,
+    st.integers(1, 10_000_000),
+    st.one_of(st.none(), st.integers(0, 2)),
+    st.one_of(st.none(), st.integers(1, 400_000)),
+)
+block_strategy = st.lists(replica_options, min_size=0, max_size=4, unique_by=lambda r: r[0])
+link_strategy = st.lists(
+    st.tuples(st.sampled_from(HOLDERS + INSTANCES), st.integers(1, 400_000), st.integers(0, 500)),
+    max_size=6,
+    unique_by=lambda link: link[0],
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    blocks=st.lists(block_strategy, max_size=12),
+    fleet=st.lists(
+        st.tuples(link_strategy, st.integers(0, 5), st.integers(1, 100_000)),
+        min_size=1,
+        max_size=5,
+    ),
+    tail=st.integers(0, 15),
+)
+def test_fleet_pricing_equals_the_reference(blocks, fleet, tail):
+    matched = []
+    for index, options in enumerate(blocks):
+        key = hashlib.sha256(str(index).encode()).hexdigest()
+        replicas = tuple(replica(key, *option) for option in options)
+        matched.append(cost.MatchedBlock(key, replicas))
+    statuses = [
+        InstanceStatusRecord(
+            instance=INSTANCES[n],
+            epoch=1,
+            state="active",
+            running=0,
+            queued=queued,
+            batch_size=8,
+            kv_utilization=0.1,
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=100,
+            links=tuple(Link(*link) for link in links),
+            ttl_ms=1000,
+        )
+        for n, (links, queued, prefill) in enumerate(fleet)
+    ]
+    prompt_tokens = 16 * len(matched) + tail
+    prices = price_all(
+        statuses, matched, block_tokens=16, prompt_tokens=prompt_tokens, mean_output_tokens=64
+    )
+    for status, price in zip(statuses, prices, strict=True):
+        reference = cost.price_instance(
+            status,
+            matched,
+            block_tokens=16,
+            prompt_tokens=prompt_tokens,
+            mean_service_time_us=cost.mean_service_time_us(status, prompt_tokens, 64),
+        )
+        assert price.matched == reference.matched
+        assert price.to_json() == reference.to_json()  # exactly, not approximately
+        assert price.uses_cache == reference.uses_cache
