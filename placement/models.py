@@ -153,3 +153,68 @@ class Directive(models.Model):
         if self.finished_at is None:
             return None
         return (self.finished_at - self.created_at).total_seconds() * 1000
+
+
+class ShardMap(models.Model):
+    """A Shard Map (spec 6.9) at its authoritative version: which instance holds which token
+    range of one long context. Only a committed reshard moves it to the next version.
+    """
+
+    map = models.CharField(max_length=128, unique=True)
+    version = models.PositiveIntegerField()
+    shards = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["map"]
+
+    def __str__(self) -> str:
+        return f"{self.map} v{self.version}"
+
+    def document(self) -> dict:
+        return {"map": self.map, "version": self.version, "shards": self.shards}
+
+
+class ReshardPhase(models.TextChoices):
+    PREPARING = "preparing"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class ReshardOperation(models.Model):
+    """One move of a Shard Map from version v to v+1 (spec 6.9): a row before any message, so
+    that a restarted PC finds it and either finishes or aborts it.
+    """
+
+    shard_map = models.ForeignKey(ShardMap, on_delete=models.CASCADE, related_name="operations")
+    from_version = models.PositiveIntegerField()
+    to_version = models.PositiveIntegerField()
+    next_shards = models.JSONField()
+    deadline_ms = models.PositiveIntegerField()
+    # One plan per member of either version, as sent (kvsp.records.ReshardPlan JSON).
+    plans = models.JSONField()
+    phase = models.CharField(
+        max_length=16, choices=ReshardPhase.choices, default=ReshardPhase.PREPARING
+    )
+    acknowledged = models.JSONField(default=list, blank=True)
+    # Members that have been told the outcome (commit or abort).
+    informed = models.JSONField(default=list, blank=True)
+    reason = models.TextField(blank=True, default="")
+    started_at = models.DateTimeField()
+    deadline_at = models.DateTimeField()
+    decided_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["shard_map", "to_version"], name="one_move_per_version")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.shard_map_id}: v{self.from_version} -> v{self.to_version} ({self.phase})"
+
+    @property
+    def members(self) -> list[str]:
+        return [plan["instance"] for plan in self.plans]

@@ -15,8 +15,14 @@ from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveState as DirectiveStateRecord
 from kvspsite.celery import add_housekeeping, kvsp_task
 from kvspsite.peers import call, peer_client, raise_for_problem
-from placement import services
-from placement.models import Directive, DirectiveState, Instance, InstanceState
+from placement import resharding, services
+from placement.models import (
+    Directive,
+    DirectiveState,
+    Instance,
+    InstanceState,
+    ReshardOperation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,28 @@ def _finish(directive: Directive, state: str, **fields) -> None:
         )
 
 
+@kvsp_task(name="placement.drive_reshard", max_retries=30, time_limit=660, bind=True)
+def drive_reshard(self, operation_id: int) -> str:
+    """Prepare, decide and tell the members of one reshard; retried until all have heard."""
+    if not ReshardOperation.objects.filter(pk=operation_id).exists():
+        return "gone"
+    untold = resharding.drive(operation_id)
+    if untold:
+        raise self.retry(countdown=min(2**self.request.retries, 30))
+    return ReshardOperation.objects.get(pk=operation_id).phase
+
+
+@kvsp_task(name="placement.resume_reshards", time_limit=120, max_retries=0)
+def resume_reshards() -> int:
+    """Operations a crashed or restarted PC left behind: drive each to its end again."""
+    unfinished = ReshardOperation.objects.filter(finished_at__isnull=True).values_list(
+        "pk", flat=True
+    )
+    for operation_id in unfinished:
+        drive_reshard.delay(operation_id)
+    return len(unfinished)
+
+
 @kvsp_task(name="placement.detect_failures", time_limit=60, max_retries=0)
 def detect_failures() -> int:
     return len(services.do_mark_expired())
@@ -114,3 +142,4 @@ add_housekeeping(
     "detect-failed-instances", "placement.detect_failures", settings.KVSP_FAILURE_CHECK_S
 )
 add_housekeeping("prune-status-samples", "placement.prune_samples", 300.0)
+add_housekeeping("resume-reshards", "placement.resume_reshards", 10.0)

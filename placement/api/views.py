@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from django.urls import reverse
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from kvsp.problems import ProtocolError
-from placement import placements, services
-from placement.models import Instance
+from placement import placements, resharding, services
+from placement.models import Instance, ReshardOperation, ShardMap
 from placement.selectors import instance_json
 
 
@@ -53,3 +54,44 @@ class PlacementView(APIView):
 
     def post(self, request):
         return Response(placements.do_place(request.user, request.data))
+
+
+class ShardMapView(APIView):
+    """A Shard Map (6.9): GET the authoritative version; PUT to create or set one."""
+
+    def get(self, request, map_id: str):
+        row = ShardMap.objects.filter(map=map_id).first()
+        if row is None:
+            raise ProtocolError("kvsp-not-found", f"no shard map {map_id!r}")
+        return Response(row.document())
+
+    def put(self, request, map_id: str):
+        _require_controller(request.user)
+        row, created = resharding.do_put_shard_map(map_id, request.data)
+        return Response(row.document(), status=201 if created else 200)
+
+
+class ReshardView(APIView):
+    """POST the next version's shards: the PC plans each member's move and runs it (6.9)."""
+
+    def post(self, request, map_id: str):
+        _require_controller(request.user)
+        operation = resharding.do_start_reshard(map_id, request.data)
+        location = request.build_absolute_uri(
+            reverse("reshard-operation", args=[map_id, operation.to_version])
+        )
+        return Response(
+            resharding.operation_json(operation), status=202, headers={"Location": location}
+        )
+
+
+class ReshardOperationView(APIView):
+    def get(self, request, map_id: str, to_version: int):
+        operation = (
+            ReshardOperation.objects.select_related("shard_map")
+            .filter(shard_map__map=map_id, to_version=to_version)
+            .first()
+        )
+        if operation is None:
+            raise ProtocolError("kvsp-not-found", f"no reshard of {map_id!r} to {to_version}")
+        return Response(resharding.operation_json(operation))

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('placement', '0001_initial'),
+        ("placement", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='instance',
-            name='last_sample_at',
+            model_name="instance",
+            name="last_sample_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
     ]

@@ -17,6 +17,8 @@ class StandinNode:
         self.directives: dict[str, dict] = {}
         # Per-route overrides: (method, path prefix) -> (status, body or None).
         self.answers: dict[tuple[str, str], tuple[int, dict | None]] = {}
+        # Per-route delays before answering, in seconds: a slow or hung instance.
+        self.delays: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
         node = self
 
@@ -41,6 +43,9 @@ class StandinNode:
                 body = json.loads(raw) if raw else None
                 with node._lock:
                     node.requests.append((method, self.path, body))
+                for (route_method, prefix), seconds in list(node.delays.items()):
+                    if route_method == method and self.path.startswith(prefix):
+                        time.sleep(seconds)
                 for (route_method, prefix), (status, answer) in node.answers.items():
                     if route_method == method and self.path.startswith(prefix):
                         return self._answer(status, answer)
