@@ -196,6 +196,9 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = _int_setting("KVSP_MAX_BODY_OCTETS", 4 * 1024 * 10
 KVSP_MAX_TTL_MS = _int_setting("KVSP_MAX_TTL_MS", 600_000)
 KVSP_LEASE_MAX_OCTETS = _int_setting("KVSP_LEASE_MAX_OCTETS", 8 * 1024**3)
 KVSP_LEASE_MAX_TTL_MS = _int_setting("KVSP_LEASE_MAX_TTL_MS", 60_000)
+# Requests per second and burst per principal and serving process; 0 turns the limit off.
+KVSP_RATE_LIMIT_PER_S = _float_setting("KVSP_RATE_LIMIT_PER_S", 2000.0)
+KVSP_RATE_LIMIT_BURST = _int_setting("KVSP_RATE_LIMIT_BURST", 4000)
 KVSP_MAX_LOOKUP_KEYS = _int_setting("KVSP_MAX_LOOKUP_KEYS", 65_536)
 KVSP_MAX_BLOCK_OCTETS = _int_setting("KVSP_MAX_BLOCK_OCTETS", 1024**3)
 KVSP_PREFETCH_DEADLINE_MS = _int_setting("KVSP_PREFETCH_DEADLINE_MS", 5_000)
@@ -211,6 +214,10 @@ KVSP_MEAN_OUTPUT_TOKENS = _int_setting("KVSP_MEAN_OUTPUT_TOKENS", 256)
 KVSP_STATUS_SAMPLE_S = _int_setting("KVSP_STATUS_SAMPLE_S", 10)
 KVSP_FAILURE_CHECK_S = _float_setting("KVSP_FAILURE_CHECK_S", 1.0)
 KVSP_DIRECTIVE_POLL_S = _float_setting("KVSP_DIRECTIVE_POLL_S", 0.2)
+# Failure detection pacing (placement.services.do_mark_expired).
+KVSP_FAILOVER_MAX_PER_CHECK = _int_setting("KVSP_FAILOVER_MAX_PER_CHECK", 10)
+KVSP_FAILOVER_CUT_OFF_FRACTION = _float_setting("KVSP_FAILOVER_CUT_OFF_FRACTION", 0.55)
+KVSP_FAILOVER_MIN_FLEET = _int_setting("KVSP_FAILOVER_MIN_FLEET", 3)
 
 # Node role.
 KVSP_INSTANCE = env.str("KVSP_INSTANCE", default="")
@@ -270,6 +277,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["kvspsite.api.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "EXCEPTION_HANDLER": "kvspsite.api.problem_exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": ["kvspsite.throttling.PrincipalRateThrottle"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }

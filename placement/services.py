@@ -282,14 +282,33 @@ def _push_state_later(instance_id: int, version: int) -> None:
 
 
 def do_mark_expired(*, now=None) -> list[int]:
-    """Mark failed every instance whose status record expired on the controller's clock.
+    """Mark failed the instances whose status record expired on the controller's clock.
+
+    Paced like Kubernetes' node lifecycle controller: at most ``KVSP_FAILOVER_MAX_PER_CHECK``
+    instances per check (oldest expiry first), and none at all while at least
+    ``KVSP_FAILOVER_CUT_OFF_FRACTION`` of the live fleet (of ``KVSP_FAILOVER_MIN_FLEET`` or
+    more) has expired together: then it is likelier that the controller is cut off than that
+    they all failed, and failing them over would move every session for nothing.
 
     Returns the ids newly failed; their sessions go to the resume logic.
     """
     now = now or timezone.now()
+    live = Instance.objects.exclude(state=InstanceState.FAILED).exclude(expires_at=None)
+    expired = live.filter(expires_at__lt=now).order_by("expires_at")
+    live_count, expired_count = live.count(), expired.count()
+    if (
+        live_count >= settings.KVSP_FAILOVER_MIN_FLEET
+        and expired_count >= settings.KVSP_FAILOVER_CUT_OFF_FRACTION * live_count
+    ):
+        log.warning(
+            "%d of %d live instances expired at once: the controller looks cut off, "
+            "failing none over",
+            expired_count,
+            live_count,
+        )
+        return []
     failed = []
-    candidates = Instance.objects.filter(expires_at__lt=now).exclude(state=InstanceState.FAILED)
-    for instance_id in candidates.values_list("pk", flat=True):
+    for instance_id in expired.values_list("pk", flat=True)[: settings.KVSP_FAILOVER_MAX_PER_CHECK]:
         with transaction.atomic():
             # Re-read under lock: a report may have arrived since the query.
             instance = (

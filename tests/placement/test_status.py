@@ -204,3 +204,51 @@ def test_heartbeats_update_figures_and_sample_every_interval(ii1):
     assert instance.expires_at == start + timedelta(seconds=24, milliseconds=3000)
     # One sample per KVSP_STATUS_SAMPLE_S (10 s): at 0, 10 and 20 seconds.
     assert [s.running for s in StatusSample.objects.order_by("at")] == [0, 10, 20]
+
+
+# --- mass failure --------------------------------------------------------------------------------
+
+
+def fleet(count, *, ttl_ms=1000):
+    callers = []
+    for n in range(count):
+        name = f"f{n:02d}"
+        caller = make_instance(name)
+        report(caller, name, status_record(f"http://{name}.test/kvsp/", ttl_ms=ttl_ms))
+        callers.append(caller)
+    return callers
+
+
+def test_a_controller_that_looks_cut_off_fails_nobody_over():
+    fleet(5)
+    later = timezone.now() + timedelta(seconds=5)
+    assert do_mark_expired(now=later) == []  # all 5 of 5 expired together
+    assert not Instance.objects.filter(state="failed").exists()
+
+
+def test_a_minority_expiring_is_failed_over():
+    fleet(5)
+    Instance.objects.filter(name__in=["f00", "f01"]).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    Instance.objects.exclude(name__in=["f00", "f01"]).update(
+        expires_at=timezone.now() + timedelta(minutes=5)
+    )
+    assert len(do_mark_expired()) == 2
+    assert set(Instance.objects.filter(state="failed").values_list("name", flat=True)) == {
+        "f00",
+        "f01",
+    }
+
+
+@override_settings(KVSP_FAILOVER_MAX_PER_CHECK=2, KVSP_FAILOVER_CUT_OFF_FRACTION=1.01)
+def test_failover_is_paced_oldest_first():
+    fleet(6)
+    now = timezone.now()
+    for n in range(5):
+        Instance.objects.filter(name=f"f{n:02d}").update(expires_at=now - timedelta(seconds=10 - n))
+    first = do_mark_expired(now=now)
+    assert [Instance.objects.get(pk=pk).name for pk in first] == ["f00", "f01"]
+    assert len(do_mark_expired(now=now)) == 2
+    assert len(do_mark_expired(now=now)) == 1
+    assert Instance.objects.get(name="f05").state == "active"

@@ -1,0 +1,80 @@
+"""Every API route refuses a request without valid credentials, and floods are answered 429."""
+
+import importlib
+
+import pytest
+from django.test import Client, override_settings
+from django.urls import URLPattern, URLResolver
+
+from tests.support.fixtures import body, make_caller, problem_name
+
+pytestmark = pytest.mark.django_db
+
+SAMPLE_ARGUMENTS = {
+    "hex16": "ab" * 16,
+    "hex32": "cd" * 32,
+    "int": "5",
+    "str": "x1",
+    "path": "x1",
+    "uuid": "6f1d0a9e-2c55-4d7e-9a0e-5b7f2f9f6a11",
+}
+
+
+def api_routes(urlconf: str):
+    """(path, view class) of every route under /kvsp/ except the schema."""
+
+    def walk(patterns, prefix):
+        for pattern in patterns:
+            if isinstance(pattern, URLResolver):
+                yield from walk(pattern.url_patterns, prefix + str(pattern.pattern))
+            elif isinstance(pattern, URLPattern):
+                route = prefix + str(pattern.pattern)
+                converters = pattern.pattern.converters
+                for name in list(converters):
+                    kind = {
+                        "Hex16Converter": "hex16",
+                        "Hex32Converter": "hex32",
+                        "IntConverter": "int",
+                        "UUIDConverter": "uuid",
+                    }.get(type(converters[name]).__name__, "str")
+                    route = route.replace(f"<{kind}:{name}>", SAMPLE_ARGUMENTS[kind])
+                    route = route.replace(f"<{name}>", SAMPLE_ARGUMENTS["str"])
+                yield "/" + route, getattr(pattern.callback, "cls", None)
+
+    module = importlib.import_module(urlconf)
+    for path, view in walk(module.urlpatterns, ""):
+        if path.startswith("/kvsp/") and path != "/kvsp/schema" and view is not None:
+            yield path, view
+
+
+@pytest.mark.parametrize("urlconf", ["kvspsite.urls_control", "kvspsite.urls_node"])
+def test_every_route_refuses_anonymous_and_bad_tokens(urlconf):
+    routes = list(api_routes(urlconf))
+    if urlconf == "kvspsite.urls_control":
+        assert len(routes) >= 15  # the walk found the API, so the loop below means something
+    client = Client(raise_request_exception=False)
+    with override_settings(ROOT_URLCONF=urlconf):
+        for path, view in routes:
+            for method in ("get", "put", "post", "delete"):
+                if not hasattr(view, method):
+                    continue
+                for header in ({}, {"HTTP_AUTHORIZATION": "Bearer kvsp_forged"}):
+                    response = getattr(client, method)(path, **header)
+                    assert response.status_code == 401, (method, path, response.content)
+                    assert problem_name(response) == "kvsp-unauthenticated"
+
+
+@override_settings(KVSP_RATE_LIMIT_PER_S=5, KVSP_RATE_LIMIT_BURST=5)
+def test_a_flood_is_answered_429_with_retry_after():
+    flooder = make_caller("flooder")
+    calm = make_caller("calm")
+    codes = [flooder.get("/kvsp/instances/").status_code for _ in range(8)]
+    assert codes[:5] == [200] * 5
+    assert 429 in codes[5:]
+    limited = flooder.get("/kvsp/instances/")
+    assert limited.status_code == 429
+    assert problem_name(limited) == "kvsp-too-many-requests"
+    assert int(limited["Retry-After"]) >= 1
+    # The bucket is per principal: another one is not slowed down by the flood.
+    assert calm.get("/kvsp/instances/").status_code == 200
+    assert body(calm.get("/kvsp/instances/")) == {"instances": []}
