@@ -8,6 +8,10 @@ problem's name. A 5xx never echoes internal text.
 from __future__ import annotations
 
 import logging
+import mmap
+import tempfile
+from contextlib import suppress
+from pathlib import Path
 
 import orjson
 from django.conf import settings
@@ -19,11 +23,14 @@ from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer
 from rest_framework.response import Response
 
+from kvsp.container import Container, decode
 from kvsp.problems import PROBLEM_MEDIA_TYPE, ProtocolError, problem_document
+from kvsp.reprdigest import ReprDigestHasher
 
 log = logging.getLogger(__name__)
 
 KVSP_JSON = "application/kvsp+json"
+KVSP_BLOCK = "application/kvsp-block"
 API_PREFIXES = ("/kvsp/", "/metrics")
 
 _ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
@@ -67,6 +74,81 @@ class KvspJSONParser(BaseParser):
 
 class PlainJSONParser(KvspJSONParser):
     media_type = "application/json"
+
+
+class ReceivedContainer:
+    """A KV Block Container received as a request body: written once to a spool file, mapped,
+    and decoded by the core as views into the mapping; ``sha256`` is its Repr-Digest."""
+
+    def __init__(self, path: Path, mapping: mmap.mmap, container: Container, sha256: bytes):
+        self.path = path
+        self.container = container
+        self.sha256 = sha256
+        self._mapping = mapping
+
+    def release(self) -> None:
+        """Unmap the body (views still in use keep it mapped until they are dropped)."""
+        self.container = None
+        with suppress(BufferError):
+            self._mapping.close()
+
+
+class KvspBlockParser(BaseParser):
+    """``application/kvsp-block`` (spec 4.3): the body streams into a spool file, chosen by the
+    view's ``block_spool()`` when it has one, and is decoded in place (no copy in memory)."""
+
+    media_type = KVSP_BLOCK
+    chunk = 1 << 20
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        view = (parser_context or {}).get("view")
+        make_spool = getattr(view, "block_spool", None)
+        spool = make_spool() if make_spool else tempfile.NamedTemporaryFile(delete=False)
+        limit = settings.KVSP_MAX_BLOCK_OCTETS
+        hasher = ReprDigestHasher()
+        try:
+            while stream is not None and (chunk := stream.read(self.chunk)):
+                if hasher.size + len(chunk) > limit:
+                    raise ProtocolError(
+                        "kvsp-payload-too-large", f"a block body is at most {limit} octets"
+                    )
+                hasher.update(chunk)
+                spool.write(chunk)
+            spool.flush()
+            if hasher.size == 0:
+                raise ProtocolError("kvsp-invalid-container", "the body is empty")
+            mapping = mmap.mmap(spool.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                container = decode(mapping, max_size=limit)
+            except BaseException:
+                # The error's frames may still hold views of the mapping; it goes with them.
+                with suppress(BufferError):
+                    mapping.close()
+                raise
+        except BaseException:
+            spool.close()
+            Path(spool.name).unlink(missing_ok=True)
+            raise
+        spool.close()
+        return ReceivedContainer(Path(spool.name), mapping, container, hasher.digest())
+
+
+class KvspBlockRenderer(BaseRenderer):
+    """``application/kvsp-block``: octets or container parts as they are; anything else (the
+    problem details of an error) as JSON."""
+
+    media_type = KVSP_BLOCK
+    format = "kvsp-block"
+    charset = None
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        if data is None:
+            return b""
+        if isinstance(data, bytes | bytearray | memoryview):
+            return bytes(data)
+        if isinstance(data, list | tuple):
+            return b"".join(data)
+        return orjson.dumps(data, option=_ORJSON_OPTIONS)
 
 
 class BearerTokenAuthentication(BaseAuthentication):

@@ -229,12 +229,59 @@ KVSP_TIER_HOST_OCTETS = _int_setting("KVSP_TIER_HOST_OCTETS", 4 * 1024**3)
 KVSP_TIER_DISK_OCTETS = _int_setting("KVSP_TIER_DISK_OCTETS", 16 * 1024**3)
 KVSP_DISK_DIR = Path(env.str("KVSP_DISK_DIR", default=str(VAR_DIR / "disk")))
 KVSP_STATUS_TTL_MS = _int_setting("KVSP_STATUS_TTL_MS", 3_000)
+# The host tier: shared-memory files the node's HTTP process serves without a copy.
+_SHM = Path("/dev/shm")  # noqa: S108 - the host tier is shared memory by design
+KVSP_SHM_DIR = Path(
+    env.str("KVSP_SHM_DIR", default=str(_SHM / "kvsp" if _SHM.is_dir() else VAR_DIR / "shm"))
+)
+# The rates at which the node reads its storage tiers, reported as "read_mbit_per_s" (4.4).
+KVSP_TIER_HOST_READ_MBIT_PER_S = _int_setting("KVSP_TIER_HOST_READ_MBIT_PER_S", 200_000)
+KVSP_TIER_DISK_READ_MBIT_PER_S = _int_setting("KVSP_TIER_DISK_READ_MBIT_PER_S", 16_000)
+# The TTL a node asks for its Replica Records (the IS caps it at KVSP_MAX_TTL_MS).
+KVSP_REPLICA_TTL_MS = _int_setting("KVSP_REPLICA_TTL_MS", 600_000)
+# An engine's model directory; none makes the node a storage-only holder.
+KVSP_MODEL_DIR = env.str("KVSP_MODEL_DIR", default="")
+KVSP_BLOCK_TOKENS = _int_setting("KVSP_BLOCK_TOKENS", 16)
+# Figures a node reports until its engine has measured its own (and always without one).
+KVSP_BATCH_SIZE = _int_setting("KVSP_BATCH_SIZE", 32)
+KVSP_PREFILL_TOKENS_PER_S = _int_setting("KVSP_PREFILL_TOKENS_PER_S", 10_000)
+KVSP_DECODE_TOKENS_PER_S = _int_setting("KVSP_DECODE_TOKENS_PER_S", 1_000)
+# Blocks of one prefetch directive loaded at the same time.
+KVSP_PREFETCH_PARALLEL = _int_setting("KVSP_PREFETCH_PARALLEL", 4)
+
+
+def _links_setting(name: str) -> tuple:
+    """Configured links (4.4 Instance Status Record) as a JSON array of
+    ``{"holder", "mbit_per_s", "rtt_us"}``; measured links replace them per holder."""
+    import json
+
+    from kvsp.problems import ProtocolError
+    from kvsp.records import Link
+
+    raw = env.str(name, default="") or "[]"
+    try:
+        value = json.loads(raw)
+        if not isinstance(value, list):
+            raise ValueError("not an array")
+        return tuple(Link.from_json(item) for item in value)
+    except (ValueError, ProtocolError) as exc:
+        raise ImproperlyConfigured(
+            f"{name} must be a JSON array of links {{holder, mbit_per_s, rtt_us}}: {exc}"
+        ) from None
+
+
+KVSP_LINKS = _links_setting("KVSP_LINKS")
 
 if KVSP_ROLE == "node":
+    for _name in ("KVSP_PREFILL_TOKENS_PER_S", "KVSP_DECODE_TOKENS_PER_S", "KVSP_BLOCK_TOKENS"):
+        if globals()[_name] < 1:
+            raise ImproperlyConfigured(f"{_name} must be at least 1")
     for _name in ("KVSP_CONTROL_URL", "KVSP_PUBLIC_URL"):
         _value = globals()[_name]
         if _value:
             _url_setting(_name, _value, ("http", "https"))
+            if not _value.endswith("/"):
+                raise ImproperlyConfigured(f"{_name}={_value!r} must be a base URL ending with '/'")
 
 # --- Celery -----------------------------------------------------------------------------------
 

@@ -119,16 +119,21 @@ class Server(Process):
 
 
 class Worker(Process):
-    """A Celery worker consuming the given queues with the solo pool."""
+    """A Celery worker consuming the given queues (solo pool unless ``pool`` says otherwise; a
+    node's worker runs ``threads``)."""
 
-    def __init__(self, name, env, log_dir, *, queues: list[str]):
+    def __init__(
+        self, name, env, log_dir, *, queues: list[str], pool: str = "solo", concurrency: int = 1
+    ):
         argv = [
             str(BIN / "celery"),
             "-A",
             "kvspsite",
             "worker",
             "--pool",
-            "solo",
+            pool,
+            "--concurrency",
+            str(concurrency),
             "--queues",
             ",".join(queues),
             "--hostname",

@@ -1,0 +1,208 @@
+"""Helpers of the node tests: containers of the reference geometry, HTTP calls with a token, and a
+stand-in holder (a real HTTP server on loopback) whose blocks arrive as slowly, or as wrongly,
+as a test needs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+from kvsp.container import RAW_CODEC, decode, encode
+from kvsp.reprdigest import repr_digest_header
+
+# The reference model's geometry (workers.engines.modeldir defaults): 4 layers, 2 KV heads of
+# dimension 16, float32, blocks of 16 tokens: sections of 2 KiB, containers of 16,468 octets.
+LAYERS = 4
+BLOCK_TOKENS = 16
+SECTION = BLOCK_TOKENS * 2 * 16 * 4
+BLOCK = "application/kvsp-block"
+
+
+def random_key() -> str:
+    return os.urandom(32).hex()
+
+
+def container(seed: int | bytes, *, layers: int = LAYERS, tokens: int = BLOCK_TOKENS) -> bytes:
+    """A codec raw container of the reference geometry whose sections are seeded noise."""
+    seed = seed if isinstance(seed, bytes) else seed.to_bytes(8, "big")
+    section = tokens * 2 * 16 * 4
+
+    def noise(label: bytes) -> bytes:
+        out = bytearray()
+        counter = 0
+        while len(out) < section:
+            out += hashlib.sha256(seed + label + counter.to_bytes(4, "big")).digest()
+            counter += 1
+        return bytes(out[:section])
+
+    sections = [(noise(b"k%d" % i), noise(b"v%d" % i)) for i in range(layers)]
+    return encode(RAW_CODEC, 0, tokens, sections)
+
+
+def layer_digests(data: bytes) -> list[str]:
+    return [digest.hex() for digest in decode(data).layer_digests()]
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+class Api:
+    """Calls on one base URL with one principal's token."""
+
+    def __init__(self, base: str, token: str | None):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base = base
+        self.client = httpx.Client(base_url=base, headers=headers, timeout=30)
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return self.client.get(path, **kwargs)
+
+    def put(self, path: str, **kwargs) -> httpx.Response:
+        return self.client.put(path, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return self.client.post(path, **kwargs)
+
+    def delete(self, path: str, **kwargs) -> httpx.Response:
+        return self.client.delete(path, **kwargs)
+
+    def put_block(self, compat: str, scope: str, key: str, data: bytes, **headers):
+        headers = {"Content-Type": BLOCK, "If-None-Match": "*", **headers}
+        return self.put(f"blocks/{compat}/{scope}/{key}", content=data, headers=headers)
+
+    def get_block(self, compat: str, scope: str, key: str, **params):
+        return self.get(f"blocks/{compat}/{scope}/{key}", params=params)
+
+
+def problem(response: httpx.Response) -> str:
+    assert response.headers["content-type"] == "application/problem+json", response.text
+    document = response.json()
+    assert document["status"] == response.status_code and document["detail"]
+    assert "Traceback" not in response.text
+    return document["type"].rsplit("/", 1)[-1]
+
+
+def wait_until(predicate, what: str, timeout: float = 30, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"no {what} after {timeout}s")
+
+
+class StandinHolder:
+    """A holder on a loopback port serving the blocks it is given, with leases.
+
+    ``delay_s[key]`` holds a block back before its first octet; ``trickle_s[key]`` spreads it
+    over that many seconds; ``served[key]`` replaces the octets sent (with a Repr-Digest of
+    what is sent), to inject a block whose layers differ from its record.
+    """
+
+    def __init__(self):
+        self.blocks: dict[str, bytes] = {}
+        self.served: dict[str, bytes] = {}
+        self.delay_s: dict[str, float] = {}
+        self.trickle_s: dict[str, float] = {}
+        self.leases: list[dict] = []
+        self.gets: list[str] = []
+        holder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _head(self, status: int, length: int, content_type: str, headers=()):
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(length))
+                for name, value in headers:
+                    self.send_header(name, value)
+                self.end_headers()
+
+            def _json(self, status: int, document: dict | None):
+                body = json.dumps(document).encode() if document is not None else b""
+                kind = "application/problem+json" if status >= 400 else "application/json"
+                self._head(status, len(body), kind)
+                self.wfile.write(body)
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                request = json.loads(self.rfile.read(length))
+                missing = [k for k in request["block_keys"] if k not in holder.blocks]
+                if missing:
+                    return self._json(404, {"type": "kvsp-not-found", "status": 404})
+                holder.leases.append(request)
+                grant = {
+                    "lease": f"standin-{len(holder.leases)}",
+                    "compat_id": request["compat_id"],
+                    "scope_id": request["scope_id"],
+                    "block_keys": request["block_keys"],
+                    "ttl_ms": request["ttl_ms"],
+                    "expires_ms": int(time.time() * 1000) + request["ttl_ms"],
+                }
+                self._json(201, grant)
+
+            def do_DELETE(self):
+                self._json(204, None)
+
+            def do_GET(self):
+                key = self.path.rstrip("/").rsplit("/", 1)[-1].split("?")[0]
+                holder.gets.append(key)
+                if key not in holder.blocks:
+                    return self._json(404, {"type": "kvsp-not-found", "status": 404})
+                time.sleep(holder.delay_s.get(key, 0))
+                data = holder.served.get(key, holder.blocks[key])
+                headers = [("Repr-Digest", repr_digest_header(sha256(data)))]
+                self._head(200, len(data), BLOCK, headers)
+                trickle = holder.trickle_s.get(key, 0)
+                pieces = 16 if trickle else 1
+                step = -(-len(data) // pieces)
+                try:
+                    for start in range(0, len(data), step):
+                        self.wfile.write(data[start : start + step])
+                        self.wfile.flush()
+                        if trickle:
+                            time.sleep(trickle / pieces)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/kvsp/"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> StandinHolder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def record(self, compat: str, scope: str, key: str, ttl_ms: int = 60_000) -> dict:
+        """The Replica Record of a block this holder serves, as it would publish it."""
+        data = self.blocks[key]
+        digests = layer_digests(data)
+        return {
+            "block_key": key,
+            "compat_id": compat,
+            "scope_id": scope,
+            "holder": self.url,
+            "codec": RAW_CODEC,
+            "size": len(data),
+            "digest": "sha-256:" + sha256(b"".join(bytes.fromhex(d) for d in digests)).hex(),
+            "layer_digests": digests,
+            "residency": [{"tier": "host", "layers": [0, len(digests) - 1]}],
+            "ttl_ms": ttl_ms,
+        }

@@ -1,0 +1,221 @@
+"""Block storage and retrieval on a real node (spec 6.7): PUT with If-None-Match, GET of the
+whole container or of a layer range, Repr-Digest, Cache-Control, misses and scopes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvsp.container import decode
+from kvsp.reprdigest import repr_digest_header, verify_repr_digest
+from tests.node.conftest import REPLICA_TTL_MS
+from tests.node.support import BLOCK, container, layer_digests, problem, random_key, sha256
+
+pytestmark = pytest.mark.django_db
+
+
+def test_put_publishes_and_get_returns_the_container(cluster):
+    n1 = cluster.node("n1")
+    writer = n1.api(cluster.tokens["reader_a"])
+    key, data = random_key(), container(1)
+    stored = writer.put_block(cluster.compat, cluster.scope_a, key, data)
+    assert stored.status_code == 201, stored.text
+    record = stored.json()
+    assert record["holder"] == n1.url and record["size"] == len(data)
+    assert record["layer_digests"] == layer_digests(data)
+    assert record["residency"] == [{"tier": "host", "layers": [0, 3], "read_mbit_per_s": 200_000}]
+    assert stored.headers["location"] == f"{n1.url}blocks/{cluster.compat}/{cluster.scope_a}/{key}"
+
+    listed = cluster.control("reader_a").get(f"replicas/{cluster.compat}/{cluster.scope_a}/{key}")
+    assert listed.status_code == 200
+    [replica] = listed.json()["replicas"]
+    assert replica["holder"] == n1.url and replica["digest"] == record["digest"]
+
+    got = writer.get_block(cluster.compat, cluster.scope_a, key)
+    assert got.status_code == 200
+    assert got.content == data
+    assert got.headers["content-type"] == BLOCK
+    assert got.headers["repr-digest"] == repr_digest_header(sha256(data))
+    verify_repr_digest(got.headers["repr-digest"], got.content)
+    cache = got.headers["cache-control"]
+    assert cache.startswith("private, immutable, max-age=")
+    max_age = int(re.search(r"max-age=(\d+)", cache)[1])
+    assert 0 < max_age <= REPLICA_TTL_MS // 1000
+
+
+def test_layer_range_is_a_slice_of_the_stored_container(cluster):
+    api = cluster.node("n1").api(cluster.tokens["reader_a"])
+    key, data = random_key(), container(2)
+    assert api.put_block(cluster.compat, cluster.scope_a, key, data).status_code == 201
+    whole = decode(data)
+
+    got = api.get_block(cluster.compat, cluster.scope_a, key, layers="1-2")
+    assert got.status_code == 200
+    verify_repr_digest(got.headers["repr-digest"], got.content)
+    part = decode(got.content)
+    assert (part.first_layer, part.layer_count, part.token_count) == (1, 2, 16)
+    for layer in (1, 2):
+        assert bytes(part.layer(layer)[0]) == bytes(whole.layer(layer)[0])
+        assert bytes(part.layer(layer)[1]) == bytes(whole.layer(layer)[1])
+    part.verify_layer_digests(layer_digests(data), expected_first_layer=0)
+    # The data of the range is one contiguous run of the stored file.
+    start, end = whole.data_range(1, 2)
+    assert got.content[part.header_size :] == data[start:end]
+
+    again = api.get_block(cluster.compat, cluster.scope_a, key, layers="1-2")
+    assert again.content == got.content
+    assert again.headers["repr-digest"] == got.headers["repr-digest"]
+    full_range = api.get_block(cluster.compat, cluster.scope_a, key, layers="0-3")
+    assert full_range.content == data
+
+
+def test_layers_the_holder_lacks_and_codecs_it_does_not_serve(cluster):
+    api = cluster.node("n1").api(cluster.tokens["reader_a"])
+    key = random_key()
+    assert api.put_block(cluster.compat, cluster.scope_a, key, container(3)).status_code == 201
+
+    beyond = api.get_block(cluster.compat, cluster.scope_a, key, layers="2-4")
+    assert beyond.status_code == 404
+    assert problem(beyond) == "kvsp-layers-unavailable"
+    assert api.get_block(cluster.compat, cluster.scope_a, key, codec="1").status_code == 200
+    other = api.get_block(cluster.compat, cluster.scope_a, key, codec="2")
+    assert other.status_code == 406
+    assert problem(other) == "kvsp-unsupported-codec"
+    for params, name in (
+        ({"layers": "3-1"}, "kvsp-malformed-request"),
+        ({"layers": "two"}, "kvsp-malformed-request"),
+        ({"codec": "raw"}, "kvsp-malformed-request"),
+    ):
+        bad = api.get_block(cluster.compat, cluster.scope_a, key, **params)
+        assert bad.status_code == 400 and problem(bad) == name
+    not_acceptable = api.get(
+        f"blocks/{cluster.compat}/{cluster.scope_a}/{key}", headers={"Accept": "application/json"}
+    )
+    assert not_acceptable.status_code == 406
+    assert problem(not_acceptable) == "kvsp-not-acceptable"
+
+
+def test_second_put_is_412_and_keeps_the_first_copy(cluster):
+    api = cluster.node("n1").api(cluster.tokens["reader_a"])
+    key, first = random_key(), container(4)
+    assert api.put_block(cluster.compat, cluster.scope_a, key, first).status_code == 201
+    second = api.put_block(cluster.compat, cluster.scope_a, key, container(5))
+    assert second.status_code == 412
+    assert problem(second) == "kvsp-precondition-failed"
+    assert api.get_block(cluster.compat, cluster.scope_a, key).content == first
+
+
+def test_a_miss_and_another_scope_answer_alike(cluster):
+    n1 = cluster.node("n1")
+    key = random_key()
+    assert (
+        n1.api(cluster.tokens["reader_a"])
+        .put_block(cluster.compat, cluster.scope_a, key, container(6))
+        .status_code
+        == 201
+    )
+    stranger = n1.api(cluster.tokens["reader_b"]).get_block(cluster.compat, cluster.scope_a, key)
+    miss = n1.api(cluster.tokens["reader_a"]).get_block(
+        cluster.compat, cluster.scope_a, random_key()
+    )
+    assert stranger.status_code == miss.status_code == 404
+    assert stranger.json() == miss.json()
+    assert problem(miss) == "kvsp-not-found"
+    # The controller reads every scope.
+    controller = n1.api(cluster.tokens["controller"])
+    assert controller.get_block(cluster.compat, cluster.scope_a, key).status_code == 200
+    assert n1.api(None).get_block(cluster.compat, cluster.scope_a, key).status_code == 401
+
+
+def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
+    n1 = cluster.node("n1")
+    files_before = n1.host_files()
+    api = n1.api(cluster.tokens["reader_a"])
+    key = random_key()
+    data = container(7)
+    truncated = data[:-100]
+    first_layer_1 = data[:8] + (1).to_bytes(4, "big") + data[12:]
+    wrong_tokens = container(8, tokens=8)
+    cases = [
+        (
+            n1.api(cluster.tokens["reader_b"]).put_block(
+                cluster.compat, cluster.scope_a, key, data
+            ),
+            403,
+            "kvsp-forbidden",
+        ),
+        (
+            api.put(
+                f"blocks/{cluster.compat}/{cluster.scope_a}/{key}",
+                content=data,
+                headers={"Content-Type": BLOCK},
+            ),
+            428,
+            "kvsp-precondition-failed",
+        ),
+        (
+            api.put_block(
+                cluster.compat, cluster.scope_a, key, data, **{"Content-Type": "application/json"}
+            ),
+            415,
+            "kvsp-unsupported-media-type",
+        ),
+        (api.put_block(cluster.compat, cluster.scope_a, key, b""), 411, "kvsp-malformed-request"),
+        (
+            api.put_block(cluster.compat, cluster.scope_a, key, truncated),
+            422,
+            "kvsp-invalid-container",
+        ),
+        (
+            api.put_block(cluster.compat, cluster.scope_a, key, first_layer_1),
+            422,
+            "kvsp-invalid-container",
+        ),
+        (
+            api.put_block(cluster.compat, cluster.scope_a, key, wrong_tokens),
+            422,
+            "kvsp-invalid-container",
+        ),
+        (
+            api.put_block(
+                cluster.compat,
+                cluster.scope_a,
+                key,
+                data,
+                **{"Repr-Digest": repr_digest_header(sha256(b"other"))},
+            ),
+            422,
+            "kvsp-digest-mismatch",
+        ),
+    ]
+    for response, status, name in cases:
+        assert response.status_code == status, response.text
+        assert problem(response) == name
+    assert api.get_block(cluster.compat, cluster.scope_a, key).status_code == 404
+    assert n1.host_files() == files_before
+    stored = api.put_block(
+        cluster.compat,
+        cluster.scope_a,
+        key,
+        data,
+        **{"Repr-Digest": repr_digest_header(sha256(data))},
+    )
+    assert stored.status_code == 201
+
+
+def test_a_large_container_streams_both_ways(cluster):
+    """4 MiB, of a compat with no registered descriptor: sent with sendfile, sliced by range."""
+    api = cluster.node("n1").api(cluster.tokens["reader_a"])
+    compat, key = random_key(), random_key()
+    from kvsp.container import RAW_CODEC, encode
+
+    sections = [(bytes([i]) * (256 << 10), bytes([i + 100]) * (256 << 10)) for i in range(8)]
+    data = encode(RAW_CODEC, 0, 512, sections)
+    assert api.put_block(compat, cluster.scope_a, key, data).status_code == 201
+    got = api.get_block(compat, cluster.scope_a, key)
+    assert got.content == data
+    verify_repr_digest(got.headers["repr-digest"], got.content)
+    part = api.get_block(compat, cluster.scope_a, key, layers="6-7")
+    verify_repr_digest(part.headers["repr-digest"], part.content)
+    assert bytes(decode(part.content).layer(7)[1]) == bytes([107]) * (256 << 10)

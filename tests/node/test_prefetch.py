@@ -1,0 +1,252 @@
+"""Prefetch directives on real nodes (spec 6.5): from a peer, with a lease at the source and
+every digest verified; a source that sends wrong octets or lacks the block is passed over; no
+working source fails the directive; the deadline makes it partial."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.node.support import container, problem, random_key, sha256, wait_until
+
+pytestmark = pytest.mark.django_db
+
+
+def directive_body(cluster, blocks, *, deadline_ms=20_000, lease_ms=5_000) -> dict:
+    return {
+        "directive": str(uuid.uuid4()),
+        "request_ref": "req-7",
+        "scope_id": cluster.scope_a,
+        "compat_id": cluster.compat,
+        "blocks": [{"block_key": key, "sources": sources} for key, sources in blocks],
+        "layer_order": "ascending",
+        "deadline_ms": deadline_ms,
+        "lease_ms": lease_ms,
+    }
+
+
+def run_directive(cluster, node, body, timeout=30) -> dict:
+    controller = node.api(cluster.tokens["controller"])
+    accepted = controller.post("prefetch", json=body)
+    assert accepted.status_code == 202, accepted.text
+    location = accepted.headers["location"]
+    assert location == f"{node.url}prefetch/{body['directive']}"
+    assert accepted.json()["state"] in ("pending", "complete", "partial", "failed")
+
+    def final():
+        state = controller.get(location).json()
+        return state if state["state"] != "pending" else None
+
+    return wait_until(final, "a final directive state", timeout=timeout)
+
+
+def put_chain(cluster, node, count: int, seed: int) -> list[tuple[str, bytes]]:
+    api = node.api(cluster.tokens["reader_a"])
+    chain = []
+    for offset in range(count):
+        key, data = random_key(), container(seed + offset)
+        assert api.put_block(cluster.compat, cluster.scope_a, key, data).status_code == 201
+        chain.append((key, data))
+    return chain
+
+
+def holders_of(cluster, key: str) -> set[str]:
+    response = cluster.control("reader_a").get(f"replicas/{cluster.compat}/{cluster.scope_a}/{key}")
+    return (
+        {r["holder"] for r in response.json()["replicas"]} if response.status_code == 200 else set()
+    )
+
+
+def test_publish_lookup_and_prefetch_from_a_peer(cluster):
+    n1, n2 = cluster.node("n1"), cluster.node("n2")
+    chain = put_chain(cluster, n1, 4, 500)
+    keys = [key for key, _ in chain]
+    lookup = cluster.control("controller").post(
+        "lookup",
+        json={"scope_id": cluster.scope_a, "compat_id": cluster.compat, "block_keys": keys},
+    )
+    assert lookup.json()["matched"] == 4
+    assert all(b["replicas"][0]["holder"] == n1.url for b in lookup.json()["blocks"])
+
+    body = directive_body(cluster, [(key, [n1.url]) for key in keys])
+    state = run_directive(cluster, n2, body)
+    assert state == {
+        "directive": body["directive"],
+        "state": "complete",
+        "loaded": keys,
+        "reason": None,
+    }
+    reader = n2.api(cluster.tokens["reader_a"])
+    for key, data in chain:
+        got = reader.get_block(cluster.compat, cluster.scope_a, key)
+        assert got.content == data
+        assert holders_of(cluster, key) == {n1.url, n2.url}
+    # n2's worker keeps working copies on its device tier (CPU here) and says so.
+    [record] = [
+        r
+        for r in cluster.control("reader_a")
+        .get(f"replicas/{cluster.compat}/{cluster.scope_a}/{keys[0]}")
+        .json()["replicas"]
+        if r["holder"] == n2.url
+    ]
+    assert record["residency"] == [{"tier": "device", "layers": [0, 3], "read_mbit_per_s": 200_000}]
+
+    # The same directive again is the same directive; another body under its id is a conflict.
+    controller = n2.api(cluster.tokens["controller"])
+    again = controller.post("prefetch", json=body)
+    assert again.status_code == 202 and again.json()["state"] == "complete"
+    clash = controller.post("prefetch", json={**body, "deadline_ms": 99})
+    assert clash.status_code == 409 and problem(clash) == "kvsp-conflict"
+
+    # The link n2 measured to n1 goes into its status reports.
+    from placement.models import Instance
+    from workers.models import MeasuredLink
+
+    link = MeasuredLink.objects.get(instance=n2.name, holder=n1.url)
+    assert link.mbit_per_s > 0 and link.rtt_us > 0
+
+    def reported():
+        status = Instance.objects.get(name=n2.name).last_status or {}
+        return [entry for entry in status.get("links", []) if entry["holder"] == n1.url]
+
+    assert wait_until(reported, "the measured link in a status report", timeout=10)
+
+
+def test_wrong_octets_at_a_source_are_refused_and_the_next_source_used(cluster, standin):
+    n1, n2 = cluster.node("n1"), cluster.node("n2")
+    key, data = random_key(), container(510)
+    standin.add(key, data)
+    # The stand-in sends other layers, under a Repr-Digest that matches what it sends: only
+    # the layer digests of its record give it away.
+    standin.holder.served[key] = container(511)
+    assert (
+        n1.api(cluster.tokens["reader_a"])
+        .put_block(cluster.compat, cluster.scope_a, key, data)
+        .status_code
+        == 201
+    )
+
+    state = run_directive(
+        cluster, n2, directive_body(cluster, [(key, [standin.holder.url, n1.url])])
+    )
+    assert state["state"] == "complete" and state["loaded"] == [key]
+    assert key in standin.holder.gets
+    got = n2.api(cluster.tokens["reader_a"]).get_block(cluster.compat, cluster.scope_a, key)
+    assert got.content == data
+    assert not [p for p in n2.host_files() if p.name.startswith(".incoming-")]
+
+
+def test_only_wrong_sources_fail_the_directive_and_nothing_is_stored(cluster, standin):
+    n1, n2 = cluster.node("n1"), cluster.node("n2")
+    key, data = random_key(), container(520)
+    standin.add(key, data)
+    standin.holder.served[key] = container(521)
+    # n1's copy is damaged after it was stored: it sends the damaged octets under the
+    # Repr-Digest of the original.
+    assert (
+        n1.api(cluster.tokens["reader_a"])
+        .put_block(cluster.compat, cluster.scope_a, key, data)
+        .status_code
+        == 201
+    )
+    [path] = [p for p in n1.host_files() if key in p.name]
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0xFF
+    path.write_bytes(damaged)
+
+    state = run_directive(
+        cluster, n2, directive_body(cluster, [(key, [n1.url, standin.holder.url])])
+    )
+    assert state["state"] == "failed" and state["loaded"] == []
+    assert "digest" in state["reason"] and n1.url in state["reason"]
+    assert standin.holder.url in state["reason"]
+    assert (
+        n2.api(cluster.tokens["reader_a"])
+        .get_block(cluster.compat, cluster.scope_a, key)
+        .status_code
+        == 404
+    )
+    assert n2.url not in holders_of(cluster, key)
+    assert not [p for p in n2.host_files() if key in p.name or p.name.startswith(".incoming-")]
+
+    # With a good source after the damaged one, the good one is used.
+    standin.holder.served.pop(key)
+    state = run_directive(
+        cluster, n2, directive_body(cluster, [(key, [n1.url, standin.holder.url])])
+    )
+    assert state["state"] == "complete"
+    got = n2.api(cluster.tokens["reader_a"]).get_block(cluster.compat, cluster.scope_a, key)
+    assert got.content == data and sha256(got.content) == sha256(data)
+
+
+def test_a_miss_at_a_source_moves_on_and_no_source_fails(cluster):
+    n1, n2, n3 = cluster.node("n1"), cluster.node("n2"), cluster.node("n3")
+    [(key, data)] = put_chain(cluster, n1, 1, 530)
+    state = run_directive(cluster, n2, directive_body(cluster, [(key, [n3.url, n1.url])]))
+    assert state["state"] == "complete" and state["loaded"] == [key]
+
+    nobody = random_key()
+    state = run_directive(cluster, n2, directive_body(cluster, [(nobody, [n3.url, n1.url])]))
+    assert state["state"] == "failed" and state["loaded"] == []
+    assert nobody in state["reason"]
+
+
+def test_a_failed_block_stops_the_prefix_where_it_is(cluster):
+    n1, n2 = cluster.node("n1"), cluster.node("n2")
+    chain = put_chain(cluster, n1, 2, 540)
+    blocks = [(chain[0][0], [n1.url]), (random_key(), [n1.url]), (chain[1][0], [n1.url])]
+    state = run_directive(cluster, n2, directive_body(cluster, blocks))
+    assert state["state"] == "failed"
+    assert state["loaded"][0] == chain[0][0]
+    assert blocks[1][0] in state["reason"]
+
+
+def test_the_deadline_makes_a_directive_partial(cluster, standin):
+    n2 = cluster.node("n2")
+    keys = [random_key() for _ in range(4)]
+    for seed, key in enumerate(keys, start=550):
+        standin.add(key, container(seed))
+    for key in keys[2:]:
+        standin.holder.delay_s[key] = 8.0
+    started = time.monotonic()
+    body = directive_body(cluster, [(key, [standin.holder.url]) for key in keys], deadline_ms=3_000)
+    state = run_directive(cluster, n2, body)
+    assert time.monotonic() - started < 8.0
+    assert state["state"] == "partial"
+    assert state["loaded"] == keys[:2]
+    assert "deadline" in state["reason"]
+    time.sleep(0.5)
+    reader = n2.api(cluster.tokens["reader_a"])
+    assert reader.get_block(cluster.compat, cluster.scope_a, keys[0]).status_code == 200
+    assert reader.get_block(cluster.compat, cluster.scope_a, keys[2]).status_code == 404
+
+
+def test_bad_directives_are_problems(cluster):
+    n2 = cluster.node("n2")
+    controller = n2.api(cluster.tokens["controller"])
+    reader = n2.api(cluster.tokens["reader_a"])
+    good = directive_body(cluster, [(random_key(), [cluster.node("n1").url])])
+    cases = [
+        (reader.post("prefetch", json=good), 403, "kvsp-forbidden"),
+        (reader.get(f"prefetch/{good['directive']}"), 403, "kvsp-forbidden"),
+        (controller.post("prefetch", json={**good, "blocks": []}), 422, "kvsp-invalid-record"),
+        (controller.post("prefetch", json={**good, "deadline_ms": 0}), 422, "kvsp-invalid-record"),
+        (controller.post("prefetch", json={**good, "directive": "x"}), 422, "kvsp-invalid-record"),
+        (
+            controller.post("prefetch", json={**good, "layer_order": "descending"}),
+            422,
+            "kvsp-invalid-record",
+        ),
+        (
+            controller.post("prefetch", content=b"[", headers={"Content-Type": "application/json"}),
+            400,
+            "kvsp-malformed-request",
+        ),
+        (controller.get(f"prefetch/{uuid.uuid4()}"), 404, "kvsp-not-found"),
+        (controller.get("prefetch/not-a-uuid"), 404, "kvsp-not-found"),
+    ]
+    for response, status, name in cases:
+        assert response.status_code == status, response.text
+        assert problem(response) == name

@@ -1,0 +1,205 @@
+"""Instance status (spec 6.3) from real nodes to the real Placement Controller: a record every
+third of its TTL with the epoch and the links, the lifecycle through PUT state, and a restart
+that raises the epoch and keeps the leases."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from tests.node.conftest import STATUS_TTL_MS
+from tests.node.support import container, problem, random_key, wait_until
+
+pytestmark = pytest.mark.django_db
+
+
+def instance(name: str):
+    from placement.models import Instance
+
+    return Instance.objects.get(name=name)
+
+
+def test_every_node_reports_at_least_every_third_of_its_ttl(cluster):
+    seen = {key: [] for key in cluster.nodes}
+    until = time.monotonic() + 3.5
+    while time.monotonic() < until:
+        for key, node in cluster.nodes.items():
+            at = instance(node.name).last_report_at
+            if at is not None and (not seen[key] or seen[key][-1] != at):
+                seen[key].append(at)
+        time.sleep(0.02)
+    for key, node in cluster.nodes.items():
+        reports = seen[key]
+        assert len(reports) >= 3, reports
+        gaps = [(b - a).total_seconds() for a, b in zip(reports, reports[1:], strict=False)]
+        assert max(gaps) <= STATUS_TTL_MS / 3000, gaps
+        row = instance(node.name)
+        assert row.state == "active"
+        status = row.last_status
+        assert status["instance"] == node.url and status["ttl_ms"] == STATUS_TTL_MS
+        # The epoch is the worker's start time in milliseconds.
+        assert abs(status["epoch"] - time.time() * 1000) < 15 * 60 * 1000
+        assert status["running"] >= 0 and status["queued"] >= 0
+        assert 0 <= status["kv_utilization"] <= 1
+    # The node with an engine reports what it serves and its measured rates.
+    n2 = instance(cluster.node("n2").name).last_status
+    assert n2["compat_ids"] == [cluster.compat]
+    assert n2["decode_tokens_per_s"] != 1_000 and n2["prefill_tokens_per_s"] != 10_000
+
+
+def test_drain_sleep_and_wake_through_the_controller(cluster):
+    from workers.models import Node
+
+    n1 = cluster.node("n1")
+    control = cluster.control("controller")
+    assert control.put(f"instances/{n1.name}/state", json={"state": "draining"}).status_code == 200
+    # The PC pushes the state to the node; with nothing in flight the node reports sleeping.
+    wait_until(lambda: instance(n1.name).state == "sleeping", "the instance asleep", timeout=20)
+    assert Node.objects.get(name=n1.name).state == "sleeping"
+
+    body = {
+        "directive": str(uuid.uuid4()),
+        "scope_id": cluster.scope_a,
+        "compat_id": cluster.compat,
+        "blocks": [{"block_key": random_key(), "sources": [cluster.node("n3").url]}],
+        "deadline_ms": 5000,
+        "lease_ms": 1000,
+    }
+    node_controller = n1.api(cluster.tokens["controller"])
+    assert node_controller.post("prefetch", json=body).status_code == 202
+    state = wait_until(
+        lambda: (
+            (s := node_controller.get(f"prefetch/{body['directive']}").json())["state"] != "pending"
+            and s
+        ),
+        "the directive's end",
+    )
+    assert state["state"] == "failed" and "not active" in state["reason"]
+
+    assert control.put(f"instances/{n1.name}/state", json={"state": "active"}).status_code == 200
+    wait_until(lambda: Node.objects.get(name=n1.name).state == "active", "the node awake")
+    time.sleep(STATUS_TTL_MS / 1000)
+    assert instance(n1.name).state == "active"
+
+
+def test_put_state_is_the_controllers_and_checked(cluster):
+    n3 = cluster.node("n3")
+    controller = n3.api(cluster.tokens["controller"])
+    cases = [
+        (
+            n3.api(cluster.tokens["reader_a"]).put("state", json={"state": "active"}),
+            403,
+            "kvsp-forbidden",
+        ),
+        (controller.put("state", json={"state": "failed"}), 422, "kvsp-invalid-record"),
+        (controller.put("state", json={"state": None}), 422, "kvsp-invalid-record"),
+        (controller.put("state", json=["active"]), 400, "kvsp-malformed-request"),
+        (n3.api(None).put("state", json={"state": "active"}), 401, "kvsp-unauthenticated"),
+        (controller.post("state", json={"state": "active"}), 405, "kvsp-method-not-allowed"),
+    ]
+    for response, status, name in cases:
+        assert response.status_code == status, response.text
+        assert problem(response) == name
+    same = controller.put("state", json={"state": "active"})
+    assert same.status_code == 200 and same.json() == {"state": "active"}
+
+
+def test_a_restart_raises_the_epoch_and_keeps_leases_and_blocks(cluster):
+    from workers.models import Lease
+
+    n2 = cluster.node("n2")
+    api = n2.api(cluster.tokens["reader_a"])
+    key, data = random_key(), container(600)
+    assert api.put_block(cluster.compat, cluster.scope_a, key, data).status_code == 201
+    lease = api.post(
+        "leases",
+        json={
+            "compat_id": cluster.compat,
+            "scope_id": cluster.scope_a,
+            "block_keys": [key],
+            "ttl_ms": 60_000,
+        },
+    ).json()
+    # A block n2 prefetched has a working copy in its worker's device tier.
+    n1 = cluster.node("n1")
+    fetched_key = random_key()
+    assert (
+        n1.api(cluster.tokens["reader_a"])
+        .put_block(cluster.compat, cluster.scope_a, fetched_key, container(601))
+        .status_code
+        == 201
+    )
+    directive = {
+        "directive": str(uuid.uuid4()),
+        "scope_id": cluster.scope_a,
+        "compat_id": cluster.compat,
+        "blocks": [{"block_key": fetched_key, "sources": [n1.url]}],
+        "deadline_ms": 20_000,
+        "lease_ms": 5_000,
+    }
+    controller = n2.api(cluster.tokens["controller"])
+    assert controller.post("prefetch", json=directive).status_code == 202
+    wait_until(
+        lambda: controller.get(f"prefetch/{directive['directive']}").json()["state"] == "complete",
+        "the prefetch",
+    )
+    assert tiers_of(cluster, n2, fetched_key) == ["device"]
+    # While n2 is down its shared memory loses a leased block, and an old crash left a file.
+    lost_key = random_key()
+    assert (
+        api.put_block(cluster.compat, cluster.scope_a, lost_key, container(602)).status_code == 201
+    )
+    lost_lease = api.post(
+        "leases",
+        json={
+            "compat_id": cluster.compat,
+            "scope_id": cluster.scope_a,
+            "block_keys": [lost_key],
+            "ttl_ms": 60_000,
+        },
+    ).json()
+    before = instance(n2.name)
+    n2.stop()
+    [lost_file] = [p for p in n2.host_files() if lost_key in p.name]
+    lost_file.unlink()
+    orphan = lost_file.with_name("0" * 64 + ".kvb")
+    orphan.write_bytes(b"left over")
+    os.utime(orphan, (time.time() - 3600, time.time() - 3600))
+
+    n2.restart()
+    wait_until(
+        lambda: (instance(n2.name).epoch or 0) > before.epoch, "a report of the new epoch", 30
+    )
+    after = instance(n2.name)
+    assert after.restarts == before.restarts + 1 and after.state == "active"
+
+    assert Lease.objects.get(lease=lease["lease"]).blocks.count() == 1
+    renewed = api.put(f"leases/{lease['lease']}", json={"ttl_ms": 30_000})
+    assert renewed.status_code == 200
+    assert api.get_block(cluster.compat, cluster.scope_a, key).content == data
+    assert api.delete(f"leases/{lease['lease']}").status_code == 204
+    # The lost block's record was withdrawn although it was leased; the stray file is gone.
+    assert tiers_of(cluster, n2, lost_key) == []
+    assert api.get_block(cluster.compat, cluster.scope_a, lost_key).status_code == 404
+    assert Lease.objects.get(lease=lost_lease["lease"]).blocks.count() == 0
+    assert not orphan.exists()
+    # The new worker holds no working copies, and the record says so soon.
+    wait_until(lambda: tiers_of(cluster, n2, fetched_key) == ["host"], "a host-only record")
+
+
+def tiers_of(cluster, node, key: str) -> list[str]:
+    replicas = (
+        cluster.control("reader_a")
+        .get(f"replicas/{cluster.compat}/{cluster.scope_a}/{key}")
+        .json()
+        .get("replicas", [])
+    )
+    return [
+        entry["tier"]
+        for record in replicas
+        if record["holder"] == node.url
+        for entry in record["residency"]
+    ]

@@ -1,0 +1,68 @@
+"""Admin for the nodes' rows (shared database): what each node holds, its leases, the
+directives it received, the withdrawals it still owes and the links it measured. Read-only:
+a node's state changes only through its own API and worker."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from workers.models import (
+    Directive,
+    Lease,
+    MeasuredLink,
+    Node,
+    PendingWithdrawal,
+    StoredBlock,
+)
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Node)
+class NodeAdmin(ReadOnlyAdmin):
+    list_display = ("name", "state", "epoch", "started_at", "last_report_at", "last_report_error")
+    search_fields = ("name",)
+
+
+@admin.register(StoredBlock)
+class StoredBlockAdmin(ReadOnlyAdmin):
+    list_display = (
+        "block_key_hex",
+        "instance",
+        "tier",
+        "device_layers",
+        "size",
+        "last_access",
+        "record_expires_at",
+    )
+    list_filter = ("instance", "tier")
+    exclude = ("layer_digests",)
+
+
+@admin.register(Lease)
+class LeaseAdmin(ReadOnlyAdmin):
+    list_display = ("lease", "instance", "principal", "octets", "expires_at")
+    list_filter = ("instance",)
+    exclude = ("blocks",)
+
+
+@admin.register(Directive)
+class DirectiveAdmin(ReadOnlyAdmin):
+    list_display = ("directive", "instance", "state", "received_at", "finished_at", "reason")
+    list_filter = ("instance", "state")
+
+
+@admin.register(PendingWithdrawal)
+class PendingWithdrawalAdmin(ReadOnlyAdmin):
+    list_display = ("instance", "reason", "attempts", "created_at")
+
+
+@admin.register(MeasuredLink)
+class MeasuredLinkAdmin(ReadOnlyAdmin):
+    list_display = ("instance", "holder", "mbit_per_s", "rtt_us", "samples", "measured_at")

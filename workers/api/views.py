@@ -1,0 +1,209 @@
+"""HTTP surface of a node (DESIGN.md section 3): blocks (spec 6.7), leases (6.6), prefetch
+directives (6.5) and the instance's state (6.3). Views validate and translate HTTP; the services
+do the work.
+
+Who may call what: blocks and leases need a principal authorized for the scope (a controller
+principal reads every scope), and a scope the caller may not read answers exactly like a miss;
+prefetch and state are the Placement Controller's alone.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+
+from django.conf import settings
+from rest_framework import status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from kvsp.problems import ProtocolError
+from kvsp.records import LeaseRenewal, LeaseRequest, PrefetchDirective
+from kvsp.reprdigest import verify_repr_digest
+from kvspsite.api import (
+    KvspBlockParser,
+    KvspBlockRenderer,
+    KvspJSONRenderer,
+    PlainJSONRenderer,
+    ReceivedContainer,
+)
+from workers import selectors, services, serving, tiers
+from workers.models import Directive
+
+_LAYERS = re.compile(r"(\d{1,10})-(\d{1,10})")
+_CODEC = re.compile(r"\d{1,5}")
+
+
+def _node_url(request, path: str) -> str:
+    base = settings.KVSP_PUBLIC_URL or request.build_absolute_uri("/kvsp/")
+    return base + path
+
+
+def _require_controller(principal) -> None:
+    if not principal.controller:
+        raise ProtocolError("kvsp-forbidden", "only the Placement Controller's principal may")
+
+
+def _layers(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    match = _LAYERS.fullmatch(value)
+    if match is None:
+        raise ProtocolError(
+            "kvsp-malformed-request", f"layers={value!r}: use layers=a-b (inclusive, a <= b)"
+        )
+    first, last = int(match[1]), int(match[2])
+    if first > last:
+        raise ProtocolError("kvsp-malformed-request", f"layers={value}: a must not exceed b")
+    return first, last
+
+
+def _codec(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not _CODEC.fullmatch(value):
+        raise ProtocolError("kvsp-malformed-request", f"codec={value!r}: use a codec number")
+    return int(value)
+
+
+def _object(data) -> dict:
+    if not isinstance(data, dict):
+        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
+    return data
+
+
+class BlockView(APIView):
+    """One block resource (6.7): GET a container or a layer range of it, PUT to store one."""
+
+    parser_classes = [KvspBlockParser]
+
+    def get_renderers(self):
+        if self.request is not None and self.request.method in ("GET", "HEAD"):
+            return [KvspBlockRenderer()]
+        return [KvspJSONRenderer(), PlainJSONRenderer()]
+
+    def block_spool(self):
+        """Where KvspBlockParser writes a PUT body: the host tier, to be renamed into place."""
+        return tiers.new_spool(selectors.node_name())
+
+    def get(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
+        layers = _layers(request.query_params.get("layers"))
+        codec = _codec(request.query_params.get("codec"))
+        block = selectors.block_for_reader(request.user, compat_id, scope_id, block_key)
+        if block is None:
+            raise ProtocolError("kvsp-not-found", selectors.MISS_DETAIL)
+        if codec is not None and codec != block.codec:
+            raise ProtocolError(
+                "kvsp-unsupported-codec",
+                f"this holder serves the block in codec {block.codec} only; it does not transcode",
+            )
+        if layers is not None and layers[1] >= block.layer_count:
+            raise ProtocolError(
+                "kvsp-layers-unavailable",
+                f"this holder holds layers 0-{block.layer_count - 1} of the block",
+            )
+        selectors.touch(block)
+        return serving.block_response(block, layers)
+
+    def put(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
+        if bytes(scope_id) not in request.user.scope_ids:
+            raise ProtocolError("kvsp-forbidden", "not authorized for the block's scope")
+        if request.headers.get("If-None-Match", "").strip() != "*":
+            raise ProtocolError(
+                "kvsp-precondition-failed",
+                "a block is stored with If-None-Match: * (a holder never replaces a replica)",
+                status=status.HTTP_428_PRECONDITION_REQUIRED,
+            )
+        length = request.headers.get("Content-Length", "")
+        if not length.isdigit() or int(length) == 0:
+            raise ProtocolError(
+                "kvsp-malformed-request",
+                "a block body needs a Content-Length and at least one octet",
+                status=status.HTTP_411_LENGTH_REQUIRED,
+            )
+        if int(length) > settings.KVSP_MAX_BLOCK_OCTETS:
+            raise ProtocolError(
+                "kvsp-payload-too-large",
+                f"a block body is at most {settings.KVSP_MAX_BLOCK_OCTETS} octets",
+            )
+        ids = (bytes(compat_id), bytes(scope_id), bytes(block_key))
+        if selectors.stored_block(selectors.node_name(), *ids) is not None:
+            raise ProtocolError(
+                "kvsp-precondition-failed",
+                "this holder already has a replica of the block and keeps its copy",
+            )
+        received = request.data
+        if not isinstance(received, ReceivedContainer):
+            raise ProtocolError("kvsp-invalid-container", "the body is not a KV Block Container")
+        try:
+            claimed = request.headers.get("Repr-Digest")
+            if claimed:
+                verify_repr_digest(claimed, sha256=received.sha256)
+            block = services.do_store_block(ids, received.path, received.container, received.sha256)
+        finally:
+            received.release()
+            Path(received.path).unlink(missing_ok=True)
+        path = f"blocks/{compat_id.hex()}/{scope_id.hex()}/{block_key.hex()}"
+        return Response(
+            selectors.replica_record(block).to_json(),
+            status=status.HTTP_201_CREATED,
+            headers={"Location": _node_url(request, path)},
+        )
+
+
+class LeaseListView(APIView):
+    """POST leases (6.6)."""
+
+    def post(self, request):
+        grant = services.do_create_lease(request.user, LeaseRequest.from_json(request.data))
+        return Response(
+            grant.to_json(),
+            status=status.HTTP_201_CREATED,
+            headers={"Location": _node_url(request, f"leases/{grant.lease}")},
+        )
+
+
+class LeaseView(APIView):
+    """Renew (PUT) or release (DELETE) a lease (6.6); only its holder's principal may."""
+
+    def put(self, request, lease: str):
+        grant = services.do_renew_lease(request.user, lease, LeaseRenewal.from_json(request.data))
+        return Response(grant.to_json())
+
+    def delete(self, request, lease: str):
+        services.do_release_lease(request.user, lease)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class PrefetchView(APIView):
+    """POST prefetch (6.5): 202 with the directive's status resource as Location."""
+
+    def post(self, request):
+        _require_controller(request.user)
+        row = services.do_accept_directive(PrefetchDirective.from_json(request.data))
+        return Response(
+            selectors.directive_state(row).to_json(),
+            status=status.HTTP_202_ACCEPTED,
+            headers={"Location": _node_url(request, f"prefetch/{row.directive}")},
+        )
+
+
+class DirectiveView(APIView):
+    """GET prefetch/{directive} (6.5): its state and the keys loaded so far."""
+
+    def get(self, request, directive: uuid.UUID):
+        _require_controller(request.user)
+        row = Directive.objects.filter(instance=selectors.node_name(), directive=directive).first()
+        if row is None:
+            raise ProtocolError("kvsp-not-found", "no such directive")
+        return Response(selectors.directive_state(row).to_json())
+
+
+class StateView(APIView):
+    """PUT state (6.3): the state the PC decided for this instance."""
+
+    def put(self, request):
+        _require_controller(request.user)
+        node = services.do_set_state(_object(request.data).get("state"))
+        return Response({"state": node.state})

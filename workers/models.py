@@ -1,0 +1,224 @@
+"""Node state (DESIGN.md sections 1 and 2): the instance itself, its tier store catalog, leases
+(spec 6.6), prefetch directives (6.5), withdrawals still owed to the Index Service (6.1) and the
+links it measured (6.3).
+
+Every table carries the instance name: the roles share one database in the reference deployment,
+and so do the nodes, so each node reads and writes only the rows of its own name. Identities and
+digests are raw octets, as in the Index Service.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+from kvsp.states import DirectiveStatus
+from kvsp.states import InstanceState as LifecycleState
+
+
+class NodeState(models.TextChoices):
+    """The states the PC asks a node for (6.3); "failed" is the PC's view alone."""
+
+    ACTIVE = LifecycleState.ACTIVE.value
+    DRAINING = LifecycleState.DRAINING.value
+    SLEEPING = LifecycleState.SLEEPING.value
+
+
+class Node(models.Model):
+    """One inference instance or holder, as the node itself knows it.
+
+    The row also serializes the node's tier changes: placing a block, evicting one and creating a
+    lease lock it (``select_for_update``), so that no eviction races a lease.
+    """
+
+    name = models.CharField(max_length=100, unique=True)
+    # The epoch of the running incarnation (6.3): its start time in milliseconds, raised to one
+    # more than the previous incarnation's whenever the clock says less.
+    epoch = models.BigIntegerField(default=0)
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.ACTIVE)
+    state_changed_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    last_report_at = models.DateTimeField(null=True, blank=True)
+    last_report_error = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class StorageTier(models.TextChoices):
+    """Where the serving copy of a block lives: files the HTTP process sends as they are."""
+
+    HOST = "host"
+    DISK = "disk"
+
+
+class StoredBlock(models.Model):
+    """A block this node holds: one replica (6.1) in its tier store (DESIGN.md section 1).
+
+    The hierarchy is inclusive: the serving copy is a file in the host tier (shared memory) or
+    the disk tier, and the worker may keep a working copy of the leading ``device_layers``
+    layers as tensors in the device tier.
+    """
+
+    instance = models.CharField(max_length=100)
+    compat_id = models.BinaryField(max_length=32)
+    scope_id = models.BinaryField(max_length=16)
+    block_key = models.BinaryField(max_length=32)
+    codec = models.PositiveIntegerField()
+    size = models.PositiveBigIntegerField()
+    token_count = models.PositiveIntegerField()
+    layer_count = models.PositiveIntegerField()
+    digest = models.BinaryField(max_length=32)
+    layer_digests = models.BinaryField()
+    # SHA-256 of the whole container as stored: its Repr-Digest (6.7).
+    repr_sha256 = models.BinaryField(max_length=32)
+    tier = models.CharField(max_length=8, choices=StorageTier.choices)
+    device_layers = models.PositiveIntegerField(default=0)
+    device_octets = models.PositiveBigIntegerField(default=0)
+    stored_at = models.DateTimeField()
+    # Least recently used first is the eviction order; GETs refresh it at most once a second.
+    last_access = models.DateTimeField()
+    # When the IS's copy of the Replica Record expires; null while it is not published.
+    record_expires_at = models.DateTimeField(null=True, blank=True)
+    # When the record is next published: half way through its TTL, or at once after a change.
+    refresh_due_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["instance", "compat_id", "scope_id", "block_key"], name="stored_block"
+            )
+        ]
+        indexes = [models.Index(fields=["instance", "tier", "last_access"])]
+
+    def __str__(self) -> str:
+        return f"{bytes(self.block_key).hex()[:16]}… at {self.instance} ({self.tier})"
+
+    @property
+    def ids(self) -> tuple[bytes, bytes, bytes]:
+        return bytes(self.compat_id), bytes(self.scope_id), bytes(self.block_key)
+
+    @property
+    def block_key_hex(self) -> str:
+        return bytes(self.block_key).hex()
+
+    @property
+    def layer_digest_list(self) -> list[bytes]:
+        octets = bytes(self.layer_digests)
+        return [octets[i : i + 32] for i in range(0, len(octets), 32)]
+
+
+class Lease(models.Model):
+    """A lease (6.6): while it is valid the node does not evict the leased blocks."""
+
+    lease = models.CharField(max_length=64, unique=True)
+    instance = models.CharField(max_length=100)
+    principal = models.ForeignKey(
+        "index.Principal", on_delete=models.CASCADE, related_name="node_leases"
+    )
+    compat_id = models.BinaryField(max_length=32)
+    scope_id = models.BinaryField(max_length=16)
+    # The 32-octet keys as requested, concatenated; ``blocks`` links the rows they named.
+    block_keys = models.BinaryField()
+    blocks = models.ManyToManyField(StoredBlock, related_name="leases", blank=True)
+    octets = models.PositiveBigIntegerField()
+    ttl_ms = models.PositiveBigIntegerField()
+    expires_at = models.DateTimeField(db_index=True)
+    created_at = models.DateTimeField()
+    renewed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["instance", "principal", "expires_at"])]
+
+    def __str__(self) -> str:
+        return f"lease {self.lease} at {self.instance}"
+
+    @property
+    def block_key_list(self) -> list[str]:
+        octets = bytes(self.block_keys)
+        return [octets[i : i + 32].hex() for i in range(0, len(octets), 32)]
+
+
+class DirectiveState(models.TextChoices):
+    PENDING = DirectiveStatus.PENDING.value
+    PARTIAL = DirectiveStatus.PARTIAL.value
+    COMPLETE = DirectiveStatus.COMPLETE.value
+    FAILED = DirectiveStatus.FAILED.value
+
+
+class Directive(models.Model):
+    """A prefetch directive received (6.5): a row first, then a task on the instance's queue.
+
+    ``loaded`` lists the keys the node holds, in the directive's prefix order; state changes
+    follow ``kvsp.states.DIRECTIVE_STATES``.
+    """
+
+    instance = models.CharField(max_length=100)
+    directive = models.UUIDField()
+    request_ref = models.CharField(max_length=1024, blank=True, default="")
+    compat_id = models.BinaryField(max_length=32)
+    scope_id = models.BinaryField(max_length=16)
+    body = models.JSONField()
+    state = models.CharField(
+        max_length=16, choices=DirectiveState.choices, default=DirectiveState.PENDING
+    )
+    loaded = models.JSONField(default=list, blank=True)
+    reason = models.TextField(blank=True, default="")
+    received_at = models.DateTimeField()
+    deadline_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["instance", "directive"], name="node_directive")
+        ]
+        ordering = ["-received_at"]
+
+    def __str__(self) -> str:
+        return f"{self.directive} at {self.instance} ({self.state})"
+
+
+class PendingWithdrawal(models.Model):
+    """A replica this node no longer holds whose record the IS may still list (6.1): written
+    when the withdrawal could not be delivered, retried by the node until it is."""
+
+    instance = models.CharField(max_length=100)
+    compat_id = models.BinaryField(max_length=32)
+    scope_id = models.BinaryField(max_length=16)
+    block_key = models.BinaryField(max_length=32)
+    reason = models.TextField(blank=True, default="")
+    attempts = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["instance", "compat_id", "scope_id", "block_key"],
+                name="pending_withdrawal",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"withdraw {bytes(self.block_key).hex()[:16]}… for {self.instance}"
+
+
+class MeasuredLink(models.Model):
+    """The node's link to a holder it fetched from (6.3 "links"), as measured by its prefetches:
+    ``rtt_us`` from the time a block GET takes to its response's head, ``mbit_per_s`` from the
+    octets after it, both smoothed."""
+
+    instance = models.CharField(max_length=100)
+    holder = models.CharField(max_length=2048)
+    mbit_per_s = models.FloatField()
+    rtt_us = models.FloatField()
+    samples = models.PositiveIntegerField(default=0)
+    measured_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["instance", "holder"], name="measured_link")]
+
+    def __str__(self) -> str:
+        return f"{self.instance} → {self.holder}"

@@ -1,0 +1,235 @@
+"""The worker process of a node (DESIGN.md section 1): one Celery worker per instance, consuming
+queue ``ii.<name>`` with a pool of threads, that owns the instance's tensors.
+
+When the worker is ready it begins a new incarnation (a new epoch, 6.3), reconciles the tier
+store with its files (blocks whose serving copy is gone are faults: their records are withdrawn
+first), and starts two threads:
+
+- the status reporter, which sends the Instance Status Record every third of its TTL with the
+  load the worker sees (tasks running, tasks waiting), and
+- the keeper, which refreshes Replica Records half way through their TTL, delivers withdrawals
+  owed to the Index Service, deletes expired leases and drops working copies of blocks that
+  another process evicted.
+
+An engine is loaded when ``KVSP_MODEL_DIR`` names a model; without one the node is a
+storage-only holder. The engine's prefill and decode rates are measured once it is loaded and
+reported instead of the configured ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from celery import signals
+from django.conf import settings
+from django.db import close_old_connections
+
+from kvspsite.celery import instance_queue
+from workers import services, tiers
+
+log = logging.getLogger(__name__)
+
+
+class Load:
+    """Tasks this worker has received and not started (queued here), and those running."""
+
+    def __init__(self):
+        self._received: set[str] = set()
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
+
+    def received(self, task_id: str) -> None:
+        with self._lock:
+            self._received.add(task_id)
+
+    def started(self, task_id: str) -> None:
+        with self._lock:
+            self._received.discard(task_id)
+            self._running.add(task_id)
+
+    def ended(self, task_id: str) -> None:
+        with self._lock:
+            self._received.discard(task_id)
+            self._running.discard(task_id)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._received)
+
+
+class NodeRuntime:
+    """What the worker process of instance ``name`` holds."""
+
+    def __init__(self, name: str, app=None):
+        self.name = name
+        self.app = app
+        self.load = Load()
+        self.device_tier = (
+            tiers.DeviceTier(settings.KVSP_TIER_DEVICE_OCTETS)
+            if settings.KVSP_TIER_DEVICE_OCTETS
+            else None
+        )
+        self.tier_store = tiers.TierStore(name, self.device_tier)
+        self.epoch = 0
+        self.rates = {
+            "prefill_tokens_per_s": settings.KVSP_PREFILL_TOKENS_PER_S,
+            "decode_tokens_per_s": settings.KVSP_DECODE_TOKENS_PER_S,
+        }
+        self._engine = None
+        self._engine_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self.stopping = threading.Event()
+
+    # -- the engine ------------------------------------------------------------------------
+
+    @property
+    def has_engine(self) -> bool:
+        return bool(settings.KVSP_MODEL_DIR)
+
+    def engine(self):
+        """The engine adapter, loaded on first use; None for a storage-only holder."""
+        if not self.has_engine:
+            return None
+        with self._engine_lock:
+            if self._engine is None:
+                from workers.engines.reference import ReferenceEngine
+
+                self._engine = ReferenceEngine(
+                    settings.KVSP_MODEL_DIR, block_tokens=settings.KVSP_BLOCK_TOKENS
+                )
+            return self._engine
+
+    def measure_engine(self, decode_steps: int = 32) -> dict:
+        """Prefill four blocks of tokens and decode ``decode_steps`` tokens greedily, one
+        sequence at a time; the rates become the reported ones."""
+        engine = self.engine()
+        if engine is None:
+            return {"engine": False, **self.rates}
+        text = "KV caches kept beyond a request are found again and loaded before it arrives. "
+        tokens = []
+        while len(tokens) < 4 * engine.block_tokens:
+            tokens += engine.tokenize(text)
+        tokens = tokens[: 4 * engine.block_tokens]
+        started = time.time()
+        begin = time.perf_counter()
+        sequence = engine.prefill(tokens)
+        prefill_s = time.perf_counter() - begin
+        token = int(sequence.logits.argmax())
+        steps = []
+        for _ in range(decode_steps):
+            begin = time.perf_counter()
+            token = int(engine.decode(sequence, token).argmax())
+            steps.append(time.perf_counter() - begin)
+        figures = {"prefill_tokens_per_s": len(tokens) / prefill_s}
+        figures["decode_tokens_per_s"] = (
+            len(steps) / sum(steps) if steps else self.rates["decode_tokens_per_s"]
+        )
+        self.rates = figures
+        return {
+            "engine": True,
+            **figures,
+            "step_ms": [step * 1000 for step in steps],
+            "started": started,
+            "finished": time.time(),
+        }
+
+    @property
+    def compat_ids(self) -> tuple[str, ...] | None:
+        engine = self._engine
+        return (engine.compat_id,) if engine is not None else None
+
+    # -- start and stop ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        from workers.status import Keeper, StatusReporter
+
+        services.ensure_node(self.name)
+        self.epoch = services.do_begin_incarnation(self.name)
+        services.do_reset_device_residency(self.name)
+        checked = services.do_check_tier_store(self.name)
+        if checked["lost"]:
+            log.error("node %s: lost blocks withdrawn: %s", self.name, checked["lost"])
+        close_old_connections()
+        self._threads = [StatusReporter(self), Keeper(self)]
+        if self.device_tier is not None:
+            # torch takes a second to import: not in the first prefetch's way.
+            self._threads.append(
+                threading.Thread(target=lambda: self.device_tier.device, daemon=True)
+            )
+        if self.has_engine:
+            self._threads.append(
+                threading.Thread(target=self._warm_engine, name="kvsp-engine", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+        log.info("node %s: epoch %d, worker ready", self.name, self.epoch)
+
+    def _warm_engine(self) -> None:
+        try:
+            self.measure_engine()
+        except Exception:
+            log.exception("node %s: the engine could not be loaded", self.name)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+_runtime: NodeRuntime | None = None
+
+
+def current() -> NodeRuntime | None:
+    """The runtime of this worker process, or None outside a node's worker."""
+    return _runtime
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(sender=None, **kwargs) -> None:
+    global _runtime
+    name = settings.KVSP_INSTANCE
+    if settings.KVSP_ROLE != "node" or not name:
+        return
+    queues = set(sender.app.amqp.queues.consume_from) if sender is not None else set()
+    if instance_queue(name) not in queues:
+        return
+    _runtime = NodeRuntime(name, sender.app)
+    _runtime.start()
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**kwargs) -> None:
+    if _runtime is not None:
+        _runtime.stop()
+
+
+@signals.task_received.connect
+def _on_task_received(request=None, **kwargs) -> None:
+    if _runtime is not None and request is not None:
+        _runtime.load.received(request.id)
+
+
+@signals.task_prerun.connect
+def _on_task_prerun(task_id=None, **kwargs) -> None:
+    if _runtime is not None and task_id:
+        _runtime.load.started(task_id)
+
+
+@signals.task_postrun.connect
+def _on_task_postrun(task_id=None, **kwargs) -> None:
+    if _runtime is not None and task_id:
+        _runtime.load.ended(task_id)
+
+
+@signals.task_revoked.connect
+def _on_task_revoked(request=None, **kwargs) -> None:
+    if _runtime is not None and request is not None:
+        _runtime.load.ended(request.id)

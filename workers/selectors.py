@@ -1,0 +1,143 @@
+"""Reads of the node: the blocks it holds, the records it publishes for them (4.4, 6.1), the
+state of directives (6.5), and the figures of its status record (6.3)."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db.models import Sum
+from django.utils import timezone
+
+from index.authz import may_read_scope
+from kvsp.container import format_digest
+from kvsp.problems import ProtocolError
+from kvsp.records import DirectiveState as DirectiveStateRecord
+from kvsp.records import Link, ReplicaRecord, ResidencyEntry
+from workers import tiers
+from workers.models import Directive, Lease, MeasuredLink, StoredBlock
+
+# A miss and a block of a scope the caller may not read answer the same (DESIGN.md section 6).
+MISS_DETAIL = "this holder has no replica of the block"
+
+# How stale a block's last_access may be before a read refreshes it: LRU to the second, without
+# a write per GET.
+ACCESS_RESOLUTION = timedelta(seconds=1)
+
+
+def node_name() -> str:
+    if not settings.KVSP_INSTANCE:
+        raise ProtocolError("kvsp-unavailable", "this node has no KVSP_INSTANCE configured")
+    return settings.KVSP_INSTANCE
+
+
+def stored_block(name: str, compat_id: bytes, scope_id: bytes, block_key: bytes):
+    return StoredBlock.objects.filter(
+        instance=name, compat_id=compat_id, scope_id=scope_id, block_key=block_key
+    ).first()
+
+
+def block_for_reader(principal, compat_id: bytes, scope_id: bytes, block_key: bytes):
+    """The held block, or None for a miss or a scope the principal may not read (alike)."""
+    if not may_read_scope(principal, scope_id):
+        return None
+    return stored_block(node_name(), compat_id, scope_id, block_key)
+
+
+def touch(block: StoredBlock, now: datetime | None = None) -> None:
+    """Mark a block used, for the LRU order of eviction."""
+    now = now or timezone.now()
+    if now - block.last_access >= ACCESS_RESOLUTION:
+        StoredBlock.objects.filter(pk=block.pk).update(last_access=now)
+
+
+def held_keys(name: str, compat_id: bytes, scope_id: bytes, keys: list[bytes]) -> set[bytes]:
+    found = StoredBlock.objects.filter(
+        instance=name, compat_id=compat_id, scope_id=scope_id, block_key__in=keys
+    ).values_list("block_key", flat=True)
+    return {bytes(key) for key in found}
+
+
+def residency(block: StoredBlock) -> tuple[ResidencyEntry, ...]:
+    """Each layer in the fastest tier that holds it (see ``workers.tiers``): the leading layers
+    with a working copy on the device, the rest in the serving tier; every entry is read at the
+    serving tier's rate, which is where a peer's GET reads it."""
+    rate = tiers.read_mbit_per_s(block.tier)
+    last = block.layer_count - 1
+    entries = []
+    device_layers = min(block.device_layers, block.layer_count)
+    if device_layers:
+        entries.append(ResidencyEntry(tiers.DEVICE, (0, device_layers - 1), rate))
+    if device_layers <= last:
+        entries.append(ResidencyEntry(block.tier, (device_layers, last), rate))
+    return tuple(entries)
+
+
+def replica_record(block: StoredBlock) -> ReplicaRecord:
+    compat_id, scope_id, block_key = block.ids
+    return ReplicaRecord(
+        block_key=block_key.hex(),
+        compat_id=compat_id.hex(),
+        scope_id=scope_id.hex(),
+        holder=settings.KVSP_PUBLIC_URL,
+        codec=block.codec,
+        size=block.size,
+        digest=format_digest(bytes(block.digest)),
+        layer_digests=tuple(d.hex() for d in block.layer_digest_list),
+        residency=residency(block),
+        ttl_ms=settings.KVSP_REPLICA_TTL_MS,
+    )
+
+
+def replica_digest_octets(layer_digests: list[bytes]) -> bytes:
+    return hashlib.sha256(b"".join(layer_digests)).digest()
+
+
+def remaining_record_s(block: StoredBlock, now: datetime | None = None) -> int:
+    """Whole seconds until the block's record expires at the IS (0 while unpublished): the
+    bound on ``max-age`` (6.7)."""
+    if block.record_expires_at is None:
+        return 0
+    remaining = block.record_expires_at - (now or timezone.now())
+    return max(int(remaining.total_seconds()), 0)
+
+
+def directive_state(row: Directive) -> DirectiveStateRecord:
+    return DirectiveStateRecord(
+        directive=str(row.directive),
+        state=row.state,
+        loaded=tuple(row.loaded),
+        reason=row.reason or None,
+    )
+
+
+def used_octets(name: str, tier: str) -> int:
+    total = StoredBlock.objects.filter(instance=name, tier=tier).aggregate(total=Sum("size"))
+    return total["total"] or 0
+
+
+def leased_octets(name: str, principal_id: int, now: datetime) -> int:
+    total = Lease.objects.filter(
+        instance=name, principal_id=principal_id, expires_at__gt=now
+    ).aggregate(total=Sum("octets"))
+    return total["total"] or 0
+
+
+def kv_utilization(name: str) -> float:
+    """The share of the node's storage tiers in use (4.4 "kv_utilization")."""
+    capacity = tiers.capacity(tiers.HOST) + tiers.capacity(tiers.DISK)
+    if capacity == 0:
+        return 1.0
+    used = used_octets(name, tiers.HOST) + used_octets(name, tiers.DISK)
+    return min(used / capacity, 1.0)
+
+
+def links(name: str) -> tuple[Link, ...]:
+    """Measured links, and the configured ones (KVSP_LINKS) for holders not measured."""
+    measured = {
+        row.holder: Link(holder=row.holder, mbit_per_s=row.mbit_per_s, rtt_us=row.rtt_us)
+        for row in MeasuredLink.objects.filter(instance=name)
+    }
+    configured = {link.holder: link for link in settings.KVSP_LINKS}
+    return tuple(sorted({**configured, **measured}.values(), key=lambda link: link.holder))

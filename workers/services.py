@@ -1,0 +1,720 @@
+"""Writes of the node: admitting blocks to the tier store and evicting them (6.1, 6.7), leases
+(6.6), prefetch directives (6.5), the instance's state and epoch (6.3), and the upkeep of its
+Replica Records.
+
+Every change to which blocks the node holds, and every lease, happens with the node's row locked
+(``select_for_update``), so no eviction races a lease or another placement. An evicted replica
+is withdrawn inside that lock, before its row is deleted (6.1). A new or moved replica's record
+is published as soon as the change is committed, outside the lock (a round trip to the IS would
+hold up every other placement), and then checked under the lock: a block that left meanwhile
+has its record withdrawn again, one that moved again is published again, so the IS is never
+left describing a state the node has left.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from index.authz import may_read_scope
+from kvsp.container import Container
+from kvsp.problems import ProtocolError
+from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirective
+from kvsp.registries import lookup_codec
+from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from kvspsite.celery import instance_queue
+from kvspsite.peers import PeerUnreachable
+from workers import control, selectors, tiers
+from workers.models import (
+    Directive,
+    Lease,
+    MeasuredLink,
+    Node,
+    NodeState,
+    PendingWithdrawal,
+    StoredBlock,
+)
+
+log = logging.getLogger(__name__)
+
+# After a failed publish, the next attempt.
+PUBLISH_RETRY = timedelta(seconds=5)
+# A file in a tier directory with no row younger than this may belong to a placement still in
+# its transaction.
+ORPHAN_GRACE_S = 300
+
+BlockIds = tiers.BlockIds
+
+
+def ensure_node(name: str) -> Node:
+    try:
+        node, _ = Node.objects.get_or_create(name=name)
+    except IntegrityError:  # created concurrently
+        node = Node.objects.get(name=name)
+    return node
+
+
+def _lock_node(name: str) -> Node:
+    node = Node.objects.select_for_update().filter(name=name).first()
+    if node is None:
+        ensure_node(name)
+        node = Node.objects.select_for_update().get(name=name)
+    return node
+
+
+# --- Replica Records ---------------------------------------------------------------------------
+
+
+def _publish(block: StoredBlock) -> bool:
+    """PUT the block's record now; on failure, try again soon. True when published."""
+    now = timezone.now()
+    rows = StoredBlock.objects.filter(pk=block.pk)
+    try:
+        ttl_ms = control.publish(selectors.replica_record(block))
+    except (ProtocolError, PeerUnreachable) as exc:
+        log.warning("publishing %s failed: %s", block, exc)
+        rows.update(refresh_due_at=now + PUBLISH_RETRY)
+        return False
+    rows.update(
+        record_expires_at=now + timedelta(milliseconds=ttl_ms),
+        refresh_due_at=now + timedelta(milliseconds=ttl_ms / 2),
+    )
+    return True
+
+
+def _residency_key(block: StoredBlock) -> tuple:
+    return (block.tier, block.device_layers)
+
+
+def publish_current(pk: int) -> bool:
+    """Publish a block's record as it stands, outside the node's lock, and make sure the IS is
+    not left with a record the node no longer stands by: if the block was evicted while the
+    record travelled, it is withdrawn again; if it moved, the new residency is published.
+    True when the IS has the current record."""
+    for _ in range(3):
+        block = StoredBlock.objects.filter(pk=pk).first()
+        if block is None:
+            return False
+        published = _publish(block)
+        with transaction.atomic():
+            _lock_node(block.instance)
+            current = StoredBlock.objects.filter(pk=pk).first()
+            if current is None:
+                if published:
+                    _withdraw(block.instance, block.ids, "evicted meanwhile", timezone.now())
+                return False
+            if _residency_key(current) == _residency_key(block):
+                return published
+    return False
+
+
+def _publish_on_commit(block: StoredBlock) -> None:
+    pk = block.pk
+    # Robust: the change is committed; a failure to tell the IS is retried by the keeper.
+    transaction.on_commit(lambda: publish_current(pk), robust=True)
+
+
+def _withdraw(name: str, ids: BlockIds, reason: str, now: datetime) -> None:
+    """DELETE the record at the IS; when that cannot be delivered now, owe it (6.1)."""
+    try:
+        control.withdraw(*ids)
+    except (ProtocolError, PeerUnreachable) as exc:
+        log.warning("withdrawing %s failed (%s): retried later", ids[2].hex(), exc)
+        PendingWithdrawal.objects.update_or_create(
+            instance=name,
+            compat_id=ids[0],
+            scope_id=ids[1],
+            block_key=ids[2],
+            defaults={"reason": reason, "created_at": now},
+        )
+
+
+# --- Placement and eviction ----------------------------------------------------------------------
+
+
+def _leased_block_ids(name: str, now: datetime) -> set[int]:
+    return set(
+        StoredBlock.objects.filter(instance=name, leases__expires_at__gt=now).values_list(
+            "pk", flat=True
+        )
+    )
+
+
+def _evict(block: StoredBlock, reason: str, now: datetime) -> None:
+    """Withdraw, then forget the block; its file goes once the deletion is committed, so a
+    reader never finds a committed row without its file."""
+    log.info("evicting %s: %s", block, reason)
+    _withdraw(block.instance, block.ids, reason, now)
+    path = tiers.stored_path(block)
+    block.delete()
+    transaction.on_commit(lambda: tiers.unlink_quietly(path), robust=True)
+
+
+def _demote(block: StoredBlock) -> None:
+    """Move a block's serving copy from the host tier to disk and publish its new residency."""
+    source = tiers.stored_path(block)
+    tiers.copy_file(source, tiers.block_path(tiers.DISK, block.instance, block.ids))
+    block.tier = tiers.DISK
+    block.save(update_fields=["tier"])
+    transaction.on_commit(lambda: tiers.unlink_quietly(source), robust=True)
+    _publish_on_commit(block)
+
+
+@dataclass
+class RoomPlan:
+    """Where a new block goes and what makes room for it, decided before anything is done, so
+    that a block that does not fit changes nothing."""
+
+    tier: str
+    demote: list[StoredBlock]
+    evict: list[StoredBlock]
+
+
+class _Disk:
+    """The disk tier as a plan sees it: its use, and its unleased blocks in LRU order."""
+
+    def __init__(self, name: str, now: datetime):
+        self.cap = tiers.capacity(tiers.DISK)
+        self.used = selectors.used_octets(name, tiers.DISK)
+        self._name, self._now = name, now
+        self._victims: list[StoredBlock] | None = None
+        self.evict: list[StoredBlock] = []
+
+    def make_room(self, needed: int) -> bool:
+        if self.used + needed <= self.cap:
+            return True
+        if self._victims is None:
+            leased = _leased_block_ids(self._name, self._now)
+            self._victims = [
+                block
+                for block in StoredBlock.objects.filter(
+                    instance=self._name, tier=tiers.DISK
+                ).order_by("last_access", "pk")
+                if block.pk not in leased
+            ]
+        while self.used + needed > self.cap and len(self.evict) < len(self._victims):
+            victim = self._victims[len(self.evict)]
+            self.evict.append(victim)
+            self.used -= victim.size
+        return self.used + needed <= self.cap
+
+
+def _plan_room(name: str, size: int, now: datetime) -> RoomPlan:
+    """The tier for a new block of ``size`` octets, and how to make room there.
+
+    The host tier first: its least recently used blocks move to disk (a move is not an
+    eviction, so leased blocks may move), and disk makes room by evicting its least recently
+    used unleased blocks. A block too large for the host tier goes to disk directly.
+    """
+    host_cap = tiers.capacity(tiers.HOST)
+    if size <= host_cap:
+        used = selectors.used_octets(name, tiers.HOST)
+        disk = _Disk(name, now)
+        demote = []
+        if used + size > host_cap:
+            candidates = StoredBlock.objects.filter(instance=name, tier=tiers.HOST).order_by(
+                "last_access", "pk"
+            )
+            for candidate in candidates:
+                if not disk.make_room(candidate.size):
+                    break
+                demote.append(candidate)
+                disk.used += candidate.size
+                used -= candidate.size
+                if used + size <= host_cap:
+                    break
+        if used + size <= host_cap:
+            return RoomPlan(tiers.HOST, demote, disk.evict)
+    disk = _Disk(name, now)
+    if size <= disk.cap and disk.make_room(size):
+        return RoomPlan(tiers.DISK, [], disk.evict)
+    raise ProtocolError(
+        "kvsp-unavailable",
+        f"no room for a block of {size} octets: the tiers hold leased blocks or are too small",
+    )
+
+
+@dataclass(frozen=True)
+class BlockFields:
+    """What the node records of a block it admits, all taken from the octets it received."""
+
+    codec: int
+    size: int
+    token_count: int
+    layer_count: int
+    layer_digests: list[bytes]
+    repr_sha256: bytes
+
+    @classmethod
+    def of(cls, container: Container, repr_sha256: bytes, *, threads: int | None = None):
+        return cls(
+            codec=container.codec,
+            size=container.size,
+            token_count=container.token_count,
+            layer_count=container.layer_count,
+            layer_digests=container.layer_digests(threads=threads),
+            repr_sha256=repr_sha256,
+        )
+
+
+def _admit(
+    name: str,
+    ids: BlockIds,
+    spool: Path,
+    fields: BlockFields,
+    *,
+    exists_ok: bool,
+    device: Callable[[], tiers.DeviceAdmission] | None = None,
+) -> tuple[StoredBlock, bool]:
+    """Place a received block (its container in ``spool``) and publish its replica.
+
+    An existing replica of the key stays as it is (6.7): ``exists_ok`` returns it, otherwise
+    the answer is 412. The spool file is gone afterwards either way.
+    """
+    placed: Path | None = None
+    try:
+        with transaction.atomic():
+            _lock_node(name)
+            existing = selectors.stored_block(name, *ids)
+            if existing is not None:
+                if exists_ok:
+                    return existing, False
+                raise ProtocolError(
+                    "kvsp-precondition-failed",
+                    "this holder already has a replica of the block and keeps its copy",
+                )
+            now = timezone.now()
+            plan = _plan_room(name, fields.size, now)
+            # Files first, and the Index Service last: a failure before the evictions leaves
+            # every record as it was.
+            for victim in plan.demote:
+                _demote(victim)
+            tier = plan.tier
+            placed = tiers.block_path(tier, name, ids)
+            tiers.place_file(spool, placed)
+            for victim in plan.evict:
+                _evict(victim, "evicted for room (least recently used, unleased)", now)
+            block = StoredBlock.objects.create(
+                instance=name,
+                compat_id=ids[0],
+                scope_id=ids[1],
+                block_key=ids[2],
+                codec=fields.codec,
+                size=fields.size,
+                token_count=fields.token_count,
+                layer_count=fields.layer_count,
+                digest=selectors.replica_digest_octets(fields.layer_digests),
+                layer_digests=b"".join(fields.layer_digests),
+                repr_sha256=fields.repr_sha256,
+                tier=tier,
+                stored_at=now,
+                last_access=now,
+                refresh_due_at=now,
+            )
+            PendingWithdrawal.objects.filter(
+                instance=name, compat_id=ids[0], scope_id=ids[1], block_key=ids[2]
+            ).delete()
+            if device is not None:
+                _admit_to_device(name, block, device())
+            _publish_on_commit(block)
+            placed = None
+            return block, True
+    finally:
+        tiers.unlink_quietly(spool)
+        if placed is not None:
+            tiers.unlink_quietly(placed)
+
+
+def _admit_to_device(name: str, block: StoredBlock, admission) -> None:
+    block.device_layers = admission.layers
+    block.device_octets = admission.octets
+    block.save(update_fields=["device_layers", "device_octets"])
+    for dropped in admission.dropped:
+        other = selectors.stored_block(name, *dropped)
+        if other is not None and other.pk != block.pk:
+            other.device_layers = 0
+            other.device_octets = 0
+            other.save(update_fields=["device_layers", "device_octets"])
+            _publish_on_commit(other)
+
+
+def check_container(container: Container, compat_id: bytes) -> None:
+    """What a holder requires of a container it stores: a registered codec, every layer from
+    layer 0 (a replica's record lists the digests of all its layers), and, when the
+    Compatibility Descriptor is registered, the geometry it states."""
+    lookup_codec(container.codec)
+    if container.first_layer != 0:
+        raise ProtocolError(
+            "kvsp-invalid-container",
+            f"the container starts at layer {container.first_layer}; a stored block holds "
+            "its layers from layer 0",
+        )
+    geometry = control.geometry(compat_id)
+    if geometry is not None:
+        geometry.check(container)
+
+
+def do_store_block(ids: BlockIds, spool: Path, container: Container, repr_sha256: bytes):
+    """PUT on a block resource with If-None-Match: * (6.7): 412 when a replica exists."""
+    check_container(container, ids[0])
+    fields = BlockFields.of(container, repr_sha256, threads=2)
+    block, _ = _admit(selectors.node_name(), ids, spool, fields, exists_ok=False)
+    return block
+
+
+def do_store_fetched(
+    ids: BlockIds,
+    parts,
+    container: Container,
+    fields: BlockFields,
+    device_tier: tiers.DeviceTier | None = None,
+) -> tuple[StoredBlock, bool]:
+    """Admit a block a prefetch retrieved and verified; the worker's device tier takes a
+    working copy of its leading layers when the compat's geometry is known."""
+    name = selectors.node_name()
+    device = None
+    geometry = control.geometry(ids[0]) if device_tier is not None else None
+    if geometry is not None:
+        geometry.check(container)
+        prepared = device_tier.prepare(container, geometry)
+
+        def device():
+            return device_tier.install(ids, prepared)
+
+    spool = tiers.write_spool(name, parts)
+    return _admit(name, ids, spool, fields, exists_ok=True, device=device)
+
+
+def _intact(block: StoredBlock) -> bool:
+    try:
+        return tiers.stored_path(block).stat().st_size == block.size
+    except FileNotFoundError:
+        return False
+
+
+def do_evict_after_fault(block: StoredBlock, reason: str) -> bool:
+    """Drop a block whose serving copy is lost or damaged, leased or not: the record is
+    withdrawn first (6.6), then the row goes and the leases no longer name it. The fault is
+    confirmed under the node's lock, since a move to another tier looks alike from outside.
+    True when the block was dropped."""
+    with transaction.atomic():
+        _lock_node(block.instance)
+        current = StoredBlock.objects.filter(pk=block.pk).first()
+        if current is None or _intact(current):
+            return False
+        log.error("replica %s is lost: %s", current, reason)
+        _evict(current, reason, timezone.now())
+        return True
+
+
+def do_check_tier_store(name: str) -> dict:
+    """Reconcile the catalog with the files (at worker start): blocks whose file is gone or of
+    the wrong size are evicted as faults; files no block names are removed."""
+    tiers.ensure_dirs(name)
+    lost = []
+    known = set()
+    for block in StoredBlock.objects.filter(instance=name):
+        if not _intact(block) and do_evict_after_fault(
+            block, "its serving copy is missing or damaged"
+        ):
+            lost.append(block.block_key_hex)
+    for block in StoredBlock.objects.filter(instance=name):
+        known.add(tiers.stored_path(block))
+    removed = []
+    cutoff = time.time() - ORPHAN_GRACE_S
+    for path in tiers.orphan_files(name, known):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return {"lost": lost, "removed": removed}
+
+
+def do_reset_device_residency(name: str) -> int:
+    """A new worker holds no working copies: records are to say so at their next refresh."""
+    return StoredBlock.objects.filter(instance=name, device_layers__gt=0).update(
+        device_layers=0, device_octets=0, refresh_due_at=timezone.now()
+    )
+
+
+def do_refresh_replicas(name: str, *, limit: int = 500) -> int:
+    """Publish the records that are due (half way through their TTL, or changed)."""
+    now = timezone.now()
+    due = list(
+        StoredBlock.objects.filter(instance=name, refresh_due_at__lte=now)
+        .order_by("refresh_due_at")
+        .values_list("pk", flat=True)[:limit]
+    )
+    return sum(publish_current(pk) for pk in due)
+
+
+def do_retry_withdrawals(name: str, *, limit: int = 100) -> int:
+    done = 0
+    for pk in PendingWithdrawal.objects.filter(instance=name).values_list("pk", flat=True)[:limit]:
+        with transaction.atomic():
+            _lock_node(name)
+            owed = PendingWithdrawal.objects.filter(pk=pk).first()
+            if owed is None:
+                continue
+            ids = (bytes(owed.compat_id), bytes(owed.scope_id), bytes(owed.block_key))
+            if selectors.stored_block(name, *ids) is not None:
+                owed.delete()  # held again: its record is the current one
+                continue
+            try:
+                control.withdraw(*ids)
+            except (ProtocolError, PeerUnreachable):
+                owed.attempts += 1
+                owed.save(update_fields=["attempts"])
+                continue
+            owed.delete()
+            done += 1
+    return done
+
+
+def do_sync_device_tier(name: str, device_tier: tiers.DeviceTier) -> int:
+    """Drop working copies of blocks no longer held (evicted by the HTTP process)."""
+    stored = {
+        (bytes(c), bytes(s), bytes(k))
+        for c, s, k in StoredBlock.objects.filter(instance=name, device_layers__gt=0).values_list(
+            "compat_id", "scope_id", "block_key"
+        )
+    }
+    return len(device_tier.keep_only(stored))
+
+
+# --- Leases (6.6) --------------------------------------------------------------------------------
+
+
+def _quota(detail: str) -> ProtocolError:
+    return ProtocolError("kvsp-lease-quota", detail)
+
+
+def _check_ttl(ttl_ms: int) -> None:
+    if ttl_ms > settings.KVSP_LEASE_MAX_TTL_MS:
+        raise _quota(
+            f"ttl_ms {ttl_ms} exceeds this holder's lease TTL quota of "
+            f"{settings.KVSP_LEASE_MAX_TTL_MS} ms"
+        )
+
+
+def _grant(lease: Lease) -> LeaseGrant:
+    return LeaseGrant(
+        lease=lease.lease,
+        compat_id=bytes(lease.compat_id).hex(),
+        scope_id=bytes(lease.scope_id).hex(),
+        block_keys=tuple(lease.block_key_list),
+        ttl_ms=lease.ttl_ms,
+        expires_ms=int(lease.expires_at.timestamp() * 1000),
+    )
+
+
+def do_create_lease(principal, request: LeaseRequest) -> LeaseGrant:
+    """POST leases (6.6): every block must be held, and the principal's leased octets stay
+    within its quota."""
+    name = selectors.node_name()
+    compat_id, scope_id = bytes.fromhex(request.compat_id), bytes.fromhex(request.scope_id)
+    keys = [bytes.fromhex(key) for key in request.block_keys]
+    if not may_read_scope(principal, scope_id):
+        raise ProtocolError("kvsp-not-found", f"{selectors.MISS_DETAIL} {keys[0].hex()}")
+    _check_ttl(request.ttl_ms)
+    with transaction.atomic():
+        _lock_node(name)
+        now = timezone.now()
+        blocks = {
+            bytes(block.block_key): block
+            for block in StoredBlock.objects.filter(
+                instance=name, compat_id=compat_id, scope_id=scope_id, block_key__in=keys
+            )
+        }
+        for key in keys:
+            if key not in blocks:
+                raise ProtocolError("kvsp-not-found", f"{selectors.MISS_DETAIL} {key.hex()}")
+        octets = sum(block.size for block in blocks.values())
+        held = selectors.leased_octets(name, principal.id, now)
+        if held + octets > settings.KVSP_LEASE_MAX_OCTETS:
+            raise _quota(
+                f"leasing {octets} more octets would give this principal "
+                f"{held + octets}, over its quota of {settings.KVSP_LEASE_MAX_OCTETS} octets"
+            )
+        lease = Lease.objects.create(
+            lease=secrets.token_urlsafe(18),
+            instance=name,
+            principal_id=principal.id,
+            compat_id=compat_id,
+            scope_id=scope_id,
+            block_keys=b"".join(keys),
+            octets=octets,
+            ttl_ms=request.ttl_ms,
+            expires_at=now + timedelta(milliseconds=request.ttl_ms),
+            created_at=now,
+        )
+        lease.blocks.set(blocks.values())
+    return _grant(lease)
+
+
+def _owned_lease(principal, lease_id: str, now: datetime) -> Lease:
+    lease = (
+        Lease.objects.select_for_update()
+        .filter(lease=lease_id, instance=selectors.node_name(), principal_id=principal.id)
+        .first()
+    )
+    if lease is None or lease.expires_at <= now:
+        raise ProtocolError("kvsp-not-found", "no such lease (it may have expired)")
+    return lease
+
+
+def do_renew_lease(principal, lease_id: str, renewal: LeaseRenewal) -> LeaseGrant:
+    """PUT leases/{id} (6.6): the lease runs ``ttl_ms`` from now."""
+    _check_ttl(renewal.ttl_ms)
+    with transaction.atomic():
+        now = timezone.now()
+        lease = _owned_lease(principal, lease_id, now)
+        lease.ttl_ms = renewal.ttl_ms
+        lease.expires_at = now + timedelta(milliseconds=renewal.ttl_ms)
+        lease.renewed_at = now
+        lease.save(update_fields=["ttl_ms", "expires_at", "renewed_at"])
+    return _grant(lease)
+
+
+def do_release_lease(principal, lease_id: str) -> None:
+    """DELETE leases/{id} (6.6)."""
+    with transaction.atomic():
+        _owned_lease(principal, lease_id, timezone.now()).delete()
+
+
+def do_delete_expired_leases(name: str) -> int:
+    deleted, _ = Lease.objects.filter(instance=name, expires_at__lte=timezone.now()).delete()
+    return deleted
+
+
+# --- Prefetch directives (6.5) --------------------------------------------------------------------
+
+
+def do_accept_directive(directive: PrefetchDirective) -> Directive:
+    """Record a directive and queue it for the instance's worker; the same directive sent
+    again is the same row, another body under its id a conflict."""
+    from workers.tasks import prefetch
+
+    name = selectors.node_name()
+    body = directive.to_json()
+    directive_id = uuid.UUID(directive.directive)
+    with transaction.atomic():
+        ensure_node(name)
+        existing = Directive.objects.filter(instance=name, directive=directive_id).first()
+        if existing is not None:
+            if existing.body != body:
+                raise ProtocolError(
+                    "kvsp-conflict", f"directive {directive.directive} exists with another body"
+                )
+            return existing
+        now = timezone.now()
+        row = Directive.objects.create(
+            instance=name,
+            directive=directive_id,
+            request_ref=directive.request_ref or "",
+            compat_id=bytes.fromhex(directive.compat_id),
+            scope_id=bytes.fromhex(directive.scope_id),
+            body=body,
+            received_at=now,
+            deadline_at=now + timedelta(milliseconds=directive.deadline_ms),
+        )
+        prefetch.apply_async_on_commit(args=[row.pk], queue=instance_queue(name))
+    return row
+
+
+# --- The instance: state, epoch, links (6.3) -----------------------------------------------------
+
+
+def do_set_state(state: object) -> Node:
+    """PUT state (6.3): record the state the PC asked for."""
+    if state not in NodeState.values:
+        raise ProtocolError(
+            "kvsp-invalid-record", "state: must be one of " + ", ".join(NodeState.values)
+        )
+    return do_apply_pc_state(selectors.node_name(), state)
+
+
+def do_apply_pc_state(name: str, state: str) -> Node:
+    """The PC's decision, from PUT state or from its answer to a status report."""
+    with transaction.atomic():
+        node = _lock_node(name)
+        if state in NodeState.values and node.state != state:
+            log.info("node %s: %s -> %s (the PC's decision)", name, node.state, state)
+            node.state = state
+            node.state_changed_at = timezone.now()
+            node.save(update_fields=["state", "state_changed_at"])
+    return node
+
+
+def do_enter_sleep_if_drained(name: str, in_flight: int) -> Node:
+    """A draining instance with no work in flight sleeps, and says so in its next report."""
+    with transaction.atomic():
+        node = _lock_node(name)
+        if node.state == NodeState.DRAINING and in_flight == 0:
+            node.state = INSTANCE_LIFECYCLE.next_state(node.state, InstanceEvent.DRAINED)
+            node.state_changed_at = timezone.now()
+            node.save(update_fields=["state", "state_changed_at"])
+    return node
+
+
+def do_begin_incarnation(name: str, *, now_ms: int | None = None) -> int:
+    """The epoch of a starting incarnation (6.3): its start time in milliseconds, or one more
+    than the last epoch when the clock says less (a clock that moved back)."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    with transaction.atomic():
+        node = _lock_node(name)
+        node.epoch = max(now_ms, node.epoch + 1)
+        node.started_at = timezone.now()
+        node.save(update_fields=["epoch", "started_at"])
+    return node.epoch
+
+
+def do_note_report(name: str, error: str = "") -> None:
+    fields = {"last_report_error": error}
+    if not error:
+        fields["last_report_at"] = timezone.now()
+    Node.objects.filter(name=name).update(**fields)
+
+
+# Weight of a new measurement in the smoothed link figures.
+LINK_SMOOTHING = 0.3
+
+
+def do_record_link(
+    name: str, holder: str, *, rtt_us: float | None = None, mbit_per_s: float | None = None
+) -> None:
+    """Fold one measurement into the node's figures for its link to ``holder``."""
+    now = timezone.now()
+    with transaction.atomic():
+        row = MeasuredLink.objects.select_for_update().filter(instance=name, holder=holder).first()
+        if row is None:
+            if rtt_us is None or mbit_per_s is None:
+                return
+            MeasuredLink.objects.create(
+                instance=name,
+                holder=holder,
+                rtt_us=rtt_us,
+                mbit_per_s=mbit_per_s,
+                samples=1,
+                measured_at=now,
+            )
+            return
+        if rtt_us is not None:
+            row.rtt_us += LINK_SMOOTHING * (rtt_us - row.rtt_us)
+        if mbit_per_s is not None:
+            row.mbit_per_s += LINK_SMOOTHING * (mbit_per_s - row.mbit_per_s)
+        row.samples += 1
+        row.measured_at = now
+        row.save()

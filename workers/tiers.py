@@ -1,0 +1,392 @@
+"""The tier store of a node (DESIGN.md section 1): where a held block's octets are, and what an
+engine reads from them.
+
+The hierarchy is inclusive. Every held block has one serving copy, a file holding its KV Block
+Container (4.3) exactly as it is sent:
+
+- host tier: a file in shared memory (``KVSP_SHM_DIR/<instance>/``, tmpfs under ``/dev/shm``);
+- disk tier: a file under ``KVSP_DISK_DIR/<instance>/``.
+
+The node's HTTP process serves both with ``sendfile`` and never holds a container in Python.
+The device tier lives in the worker process, which owns tensors: it keeps working copies of the
+leading layers of some blocks as torch tensors (CUDA when present, else the CPU), for an engine.
+A Replica Record reports each layer in the fastest tier that holds it — "device" for the layers
+with a working copy, the serving tier for the rest — and gives every entry the
+``read_mbit_per_s`` of the serving tier, since that is where a peer's GET reads them from.
+
+What an engine gets (:class:`TierStore`): a block's container as views into its mapped file
+(:meth:`TierStore.open`), and the K and V tensors of one layer (:meth:`TierStore.layer_kv`):
+the device tier's tensors when it holds that layer, otherwise tensors over the mapped file,
+shared without a copy on little-endian hosts (``kvsp.tensors.tensor_from_section``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+
+from kvsp.container import Container, decode
+from kvsp.problems import ProtocolError
+from kvsp.records import DEFAULT_LIMITS
+from kvsp.tensors import check_geometry, tensor_from_section
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.models import StoredBlock
+
+BlockIds = tuple[bytes, bytes, bytes]  # (compat_id, scope_id, block_key)
+
+HOST = "host"
+DISK = "disk"
+DEVICE = "device"
+SPOOL_PREFIX = ".incoming-"
+
+
+def tier_dir(tier: str, instance: str) -> Path:
+    base = settings.KVSP_SHM_DIR if tier == HOST else settings.KVSP_DISK_DIR
+    return Path(base) / instance
+
+
+def ensure_dirs(instance: str) -> None:
+    for tier in (HOST, DISK):
+        tier_dir(tier, instance).mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def file_name(ids: BlockIds) -> str:
+    compat_id, scope_id, block_key = ids
+    return f"{compat_id.hex()}.{scope_id.hex()}.{block_key.hex()}.kvb"
+
+
+def block_path(tier: str, instance: str, ids: BlockIds) -> Path:
+    return tier_dir(tier, instance) / file_name(ids)
+
+
+def stored_path(block: StoredBlock) -> Path:
+    return block_path(block.tier, block.instance, block.ids)
+
+
+def read_mbit_per_s(tier: str) -> int:
+    if tier == HOST:
+        return settings.KVSP_TIER_HOST_READ_MBIT_PER_S
+    return settings.KVSP_TIER_DISK_READ_MBIT_PER_S
+
+
+def capacity(tier: str) -> int:
+    return {
+        HOST: settings.KVSP_TIER_HOST_OCTETS,
+        DISK: settings.KVSP_TIER_DISK_OCTETS,
+        DEVICE: settings.KVSP_TIER_DEVICE_OCTETS,
+    }[tier]
+
+
+def new_spool(instance: str):
+    """A new, empty file in the host tier to receive a block into; renamed into place when the
+    block is admitted, so that a received block is written once."""
+    ensure_dirs(instance)
+    return tempfile.NamedTemporaryFile(
+        prefix=SPOOL_PREFIX, dir=tier_dir(HOST, instance), delete=False
+    )
+
+
+def write_spool(instance: str, parts: Iterable) -> Path:
+    """A spool file holding ``parts`` (buffers) concatenated."""
+    with new_spool(instance) as spool:
+        for part in parts:
+            spool.write(part)
+        return Path(spool.name)
+
+
+def place_file(source: Path, target: Path) -> None:
+    """Move a file into place: a rename within one file system, else a copy (``sendfile`` in
+    the kernel) to a temporary name and a rename, so that ``target`` is never partial."""
+    try:
+        os.replace(source, target)
+        return
+    except OSError as exc:
+        if exc.errno != 18:  # EXDEV: another file system
+            raise
+    partial = target.with_name(SPOOL_PREFIX + target.name)
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
+    source.unlink()
+
+
+def copy_file(source: Path, target: Path) -> None:
+    """Copy a serving copy to another tier, leaving the source for readers until the copy is
+    committed."""
+    partial = target.with_name(SPOOL_PREFIX + target.name)
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
+
+
+def unlink_quietly(path: Path) -> None:
+    with suppress(FileNotFoundError):
+        path.unlink()
+
+
+def orphan_files(instance: str, known: set[Path]) -> list[Path]:
+    """Files in the node's tier directories that are no stored block's serving copy (left by
+    a crash between two steps of a placement or a move)."""
+    orphans = []
+    for tier in (HOST, DISK):
+        directory = tier_dir(tier, instance)
+        if not directory.is_dir():
+            continue
+        for entry in directory.iterdir():
+            if entry.is_file() and entry not in known:
+                orphans.append(entry)
+    return orphans
+
+
+class MappedContainer:
+    """A stored container mapped copy-on-write, decoded as views into the mapping: reading
+    shares the file's pages, and a tensor written to by mistake changes a private copy of the
+    page, never the serving copy."""
+
+    def __init__(self, path: Path, *, max_layers: int | None = None):
+        with path.open("rb") as handle:
+            self._mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            self.container: Container = decode(
+                self._mapping, max_layers=max_layers or DEFAULT_LIMITS.max_layers
+            )
+        except BaseException:
+            with suppress(BufferError):
+                self._mapping.close()
+            raise
+
+    def close(self) -> None:
+        self.container = None
+        # Views handed out (tensors over sections) keep the mapping alive until they go; the
+        # mapping is then unmapped when it is collected.
+        with suppress(BufferError):
+            self._mapping.close()
+
+    def __enter__(self) -> MappedContainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What turns a codec raw section into a tensor (4.1): from the Compatibility Descriptor."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    block_tokens: int
+
+    @classmethod
+    def from_descriptor(cls, descriptor: dict) -> Geometry:
+        return cls(
+            layers=descriptor["layers"],
+            kv_heads=descriptor["kv_heads"],
+            head_dim=descriptor["head_dim"],
+            kv_dtype=descriptor["kv_dtype"],
+            block_tokens=descriptor["block_tokens"],
+        )
+
+    def check(self, container: Container) -> None:
+        """A stored block holds every layer of the model for exactly one block of tokens."""
+        if container.first_layer != 0 or container.layer_count != self.layers:
+            raise ProtocolError(
+                "kvsp-invalid-container",
+                f"the container holds layers {container.first_layer}-{container.last_layer}; "
+                f"a block of this model has layers 0-{self.layers - 1}",
+            )
+        if container.token_count != self.block_tokens:
+            raise ProtocolError(
+                "kvsp-invalid-container",
+                f"the container holds {container.token_count} tokens; a block of this model "
+                f"holds {self.block_tokens}",
+            )
+        check_geometry(container, self.kv_dtype, self.kv_heads, self.head_dim)
+
+
+@dataclass
+class _DeviceEntry:
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    octets: int
+
+
+@dataclass(frozen=True)
+class DeviceAdmission:
+    """What admitting a block to the device tier did: its leading layers now held there, and
+    the blocks whose working copies were dropped to make room."""
+
+    layers: int
+    octets: int
+    dropped: tuple[BlockIds, ...]
+
+
+class DeviceTier:
+    """Working copies of leading layers as tensors, in the worker process; least recently used
+    copies are dropped first. Dropping a working copy leaves the replica held (the hierarchy is
+    inclusive), so it needs no lease check and no withdrawal, only a fresh record."""
+
+    def __init__(self, capacity_octets: int, device: str | None = None):
+        self.capacity = capacity_octets
+        self._device_name = device
+        self._entries: OrderedDict[BlockIds, _DeviceEntry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        if self._device_name is None:
+            self._device_name = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device(self._device_name)
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(entry.octets for entry in self._entries.values())
+
+    def held(self) -> dict[BlockIds, int]:
+        """Blocks with a working copy, and how many leading layers it has."""
+        with self._lock:
+            return {ids: len(entry.layers) for ids, entry in self._entries.items()}
+
+    def prepare(self, container: Container, geometry: Geometry) -> _DeviceEntry:
+        """Working copies of as many leading layers of ``container`` as the tier can hold at
+        all; made before the block is admitted, so that the copying holds up nobody."""
+        sizes = [sum(container.section_lengths(layer)) for layer in range(container.layer_count)]
+        count, octets = 0, 0
+        while count < len(sizes) and octets + sizes[count] <= self.capacity:
+            octets += sizes[count]
+            count += 1
+        device = self.device if count else None
+        layers = []
+        for layer in range(count):
+            k, v = container.layer(layer)
+            layers.append(
+                tuple(
+                    self._tensor(section, geometry, device, container.token_count)
+                    for section in (k, v)
+                )
+            )
+        return _DeviceEntry(layers, octets)
+
+    def install(self, ids: BlockIds, prepared: _DeviceEntry) -> DeviceAdmission:
+        """Hold prepared copies, dropping the least recently used copies of other blocks to
+        make room."""
+        if not prepared.layers:
+            return DeviceAdmission(0, 0, ())
+        dropped = []
+        with self._lock:
+            self._entries.pop(ids, None)
+            free = self.capacity - sum(entry.octets for entry in self._entries.values())
+            while free < prepared.octets and self._entries:
+                victim, entry = self._entries.popitem(last=False)
+                free += entry.octets
+                dropped.append(victim)
+            self._entries[ids] = prepared
+        return DeviceAdmission(len(prepared.layers), prepared.octets, tuple(dropped))
+
+    @staticmethod
+    def _tensor(section, geometry: Geometry, device, tokens: int):
+        tensor = tensor_from_section(
+            section,
+            geometry.kv_dtype,
+            geometry.kv_heads,
+            geometry.head_dim,
+            device,
+            token_count=tokens,
+        )
+        # On the CPU the tensor would share the received buffer; the working copy owns its own.
+        return tensor.clone() if device.type == "cpu" else tensor
+
+    def layer(self, ids: BlockIds, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            entry = self._entries.get(ids)
+            if entry is None or layer >= len(entry.layers):
+                return None
+            self._entries.move_to_end(ids)
+            return entry.layers[layer]
+
+    def drop(self, ids: BlockIds) -> bool:
+        with self._lock:
+            return self._entries.pop(ids, None) is not None
+
+    def keep_only(self, stored: set[BlockIds]) -> list[BlockIds]:
+        """Drop the working copies of blocks no longer held (evicted by another process)."""
+        with self._lock:
+            gone = [ids for ids in self._entries if ids not in stored]
+            for ids in gone:
+                del self._entries[ids]
+        return gone
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+class TierStore:
+    """An engine's view of the node's blocks (see the module docstring)."""
+
+    def __init__(self, instance: str, device_tier: DeviceTier | None):
+        self.instance = instance
+        self.device_tier = device_tier
+
+    def block(self, compat_id: bytes, scope_id: bytes, block_key: bytes) -> StoredBlock | None:
+        from workers.models import StoredBlock
+
+        return StoredBlock.objects.filter(
+            instance=self.instance, compat_id=compat_id, scope_id=scope_id, block_key=block_key
+        ).first()
+
+    @contextmanager
+    def open(self, block: StoredBlock):
+        """The block's container, as views into its mapped serving copy."""
+        with MappedContainer(stored_path(block), max_layers=block.layer_count) as mapped:
+            yield mapped.container
+
+    def layer_kv(
+        self,
+        block: StoredBlock,
+        layer: int,
+        geometry: Geometry,
+        device: str | torch.device | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer of a held block, shaped [tokens, kv_heads, head_dim].
+
+        From the device tier when it holds the layer (moved to ``device`` if another is asked
+        for); otherwise tensors over the mapped serving copy, which share its memory on the CPU
+        and must be treated as read-only.
+        """
+        if self.device_tier is not None:
+            held = self.device_tier.layer(block.ids, layer)
+            if held is not None:
+                if device is None:
+                    return held
+                return held[0].to(device), held[1].to(device)
+        mapped = MappedContainer(stored_path(block), max_layers=block.layer_count)
+        pair = tuple(
+            tensor_from_section(
+                section,
+                geometry.kv_dtype,
+                geometry.kv_heads,
+                geometry.head_dim,
+                device,
+                token_count=block.token_count,
+            )
+            for section in mapped.container.layer(layer)
+        )
+        mapped.close()
+        return pair
