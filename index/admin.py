@@ -1,13 +1,36 @@
-"""Admin for the Index Service: scopes, principals (token shown once), replicas."""
+"""Admin for the Index Service: scopes, principals (token shown once), holders, replicas,
+descriptors and lookup counts.
+
+What only the protocol may change (identities, digests, residency, expiry) is read-only here;
+replicas are withdrawn through the same service as the dashboard's withdrawal. Binary ids are
+searched by their hex form.
+"""
 
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.db.models import Count, Q
+from django.urls import reverse
 from django.utils import timezone
 
 from index import services
 from index.auth import new_token
-from index.models import CompatDescriptor, Holder, Principal, Replica, Scope, Tier
+from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
+from kvsp.hexids import is_hex
+
+
+def _hex_id_search(queryset, term: str, fields: dict[int, tuple[str, ...]]):
+    """Rows whose binary id equals ``term`` read as hex: ``fields`` maps an octet length to the
+    fields of that length. Anything else matches nothing here."""
+    term = term.strip().lower()
+    for octets, names in fields.items():
+        if is_hex(term, octets):
+            value = bytes.fromhex(term)
+            condition = Q()
+            for name in names:
+                condition |= Q(**{name: value})
+            return queryset.filter(condition)
+    return queryset.none()
 
 
 @admin.register(Scope)
@@ -17,6 +40,13 @@ class ScopeAdmin(admin.ModelAdmin):
     search_fields = ("name",)
     readonly_fields = ("scope_id_hex", "created_at")
     fields = ("name", "scope_id_hex", "shared_prefix", "created_at")
+    search_help_text = "A name, or a scope id in hex."
+
+    def get_search_results(self, request, queryset, search_term):
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        if search_term:
+            found |= _hex_id_search(queryset, search_term, {16: ("scope_id",)})
+        return found, duplicates
 
     def save_model(self, request, obj, form, change):
         if not change:
@@ -27,9 +57,9 @@ class ScopeAdmin(admin.ModelAdmin):
 
 @admin.register(Principal)
 class PrincipalAdmin(admin.ModelAdmin):
-    list_display = ("name", "instance", "controller", "created_at", "revoked_at")
-    list_filter = ("controller", ("revoked_at", admin.EmptyFieldListFilter))
-    search_fields = ("name", "instance")
+    list_display = ("name", "scope_names", "instance", "controller", "created_at", "revoked_at")
+    list_filter = ("controller", ("revoked_at", admin.EmptyFieldListFilter), "scopes")
+    search_fields = ("name", "instance", "scopes__name")
     filter_horizontal = ("scopes",)
     readonly_fields = ("created_at", "revoked_at")
     fields = ("name", "scopes", "holder_urls", "instance", "controller", "created_at", "revoked_at")
@@ -44,6 +74,13 @@ class PrincipalAdmin(admin.ModelAdmin):
                 messages.WARNING,
             )
         super().save_model(request, obj, form, change)
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("scopes")
+
+    @admin.display(description="scopes")
+    def scope_names(self, obj):
+        return ", ".join(scope.name for scope in obj.scopes.all()) or "—"
 
     @admin.action(description="Revoke the selected principals' tokens")
     def revoke(self, request, queryset):
@@ -81,12 +118,46 @@ class ScopeIdFilter(admin.SimpleListFilter):
         return queryset.filter(scope_id=bytes.fromhex(self.value()))
 
 
+class ExpiryFilter(admin.SimpleListFilter):
+    title = "expiry"
+    parameter_name = "expiry"
+
+    def lookups(self, request, model_admin):
+        return [("unexpired", "unexpired"), ("expired", "expired, not yet deleted")]
+
+    def queryset(self, request, queryset):
+        now = timezone.now()
+        if self.value() == "unexpired":
+            return queryset.filter(expires_at__gt=now)
+        if self.value() == "expired":
+            return queryset.filter(expires_at__lte=now)
+        return queryset
+
+
 @admin.register(Replica)
 class ReplicaAdmin(admin.ModelAdmin):
-    list_display = ("block_key_hex", "holder", "scope_id_hex", "tiers", "size", "expires_at")
-    list_filter = (ScopeIdFilter, "holder", TierFilter)
+    list_display = (
+        "block_key_hex",
+        "holder",
+        "scope_id_hex",
+        "compat_short",
+        "tiers",
+        "size",
+        "refresh_count",
+        "refreshed_at",
+        "expires_at",
+    )
+    list_filter = (ExpiryFilter, TierFilter, ScopeIdFilter, "holder")
     list_select_related = ("holder",)
-    readonly_fields = [f.name for f in Replica._meta.fields] + ["block_key_hex", "tiers"]
+    search_fields = ("holder__url",)
+    search_help_text = "A holder URL, or a Block Key, scope id or Compatibility ID in hex."
+    ordering = ("-refreshed_at",)
+    readonly_fields = [f.name for f in Replica._meta.fields] + [
+        "block_key_hex",
+        "scope_id_hex",
+        "compat_id_hex",
+        "tiers",
+    ]
     actions = ("withdraw",)
 
     def has_add_permission(self, request):
@@ -95,11 +166,22 @@ class ReplicaAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None):
         return False
 
+    def get_search_results(self, request, queryset, search_term):
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        if search_term:
+            by_id = {32: ("block_key", "compat_id"), 16: ("scope_id",)}
+            found |= _hex_id_search(queryset, search_term, by_id)
+        return found, duplicates
+
     @admin.display(description="tiers")
     def tiers(self, obj):
         return ", ".join(t.label for t in Tier if obj.tier_mask & t.value)
 
-    @admin.action(description="Withdraw the selected replicas")
+    @admin.display(description="compat")
+    def compat_short(self, obj):
+        return obj.compat_id_hex[:16] + "…"
+
+    @admin.action(description="Withdraw the selected replicas", permissions=["delete"])
     def withdraw(self, request, queryset):
         count = services.do_withdraw_replicas(queryset.values_list("pk", flat=True))
         self.message_user(request, f"Withdrew {count} replica(s).")
@@ -107,15 +189,69 @@ class ReplicaAdmin(admin.ModelAdmin):
 
 @admin.register(Holder)
 class HolderAdmin(admin.ModelAdmin):
-    list_display = ("url",)
+    list_display = ("url", "replica_count")
     search_fields = ("url",)
+    readonly_fields = ("url",)
+
+    def has_add_permission(self, request):
+        return False  # a holder is known by the replicas published for it
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(_replicas=Count("replicas"))
+
+    @admin.display(description="replica rows", ordering="_replicas")
+    def replica_count(self, obj):
+        return obj._replicas
+
+    def view_on_site(self, obj):
+        return reverse("dashboard:holder", args=[obj.pk])
 
 
 @admin.register(CompatDescriptor)
 class CompatDescriptorAdmin(admin.ModelAdmin):
-    list_display = ("model", "compat_id_hex", "layers", "kv_heads", "head_dim", "kv_dtype")
+    list_display = (
+        "model",
+        "compat_id_hex",
+        "block_tokens",
+        "layers",
+        "kv_heads",
+        "head_dim",
+        "kv_dtype",
+        "registered_at",
+    )
+    list_filter = ("kv_dtype", "block_tokens")
     search_fields = ("model",)
+    search_help_text = "A model name, or a Compatibility ID in hex."
     readonly_fields = [f.name for f in CompatDescriptor._meta.fields] + ["compat_id_hex"]
 
     def has_add_permission(self, request):
+        return False  # registered with PUT compat/{id}, which computes the id itself
+
+    def has_change_permission(self, request, obj=None):
+        return False  # the id is a digest of the descriptor: it never changes
+
+    def get_search_results(self, request, queryset, search_term):
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        if search_term:
+            found |= _hex_id_search(queryset, search_term, {32: ("compat_id",)})
+        return found, duplicates
+
+
+@admin.register(LookupBucket)
+class LookupBucketAdmin(admin.ModelAdmin):
+    list_display = ("minute", "lookups", "hits", "block_keys", "matched_blocks", "ratio")
+    date_hierarchy = "minute"
+
+    def has_add_permission(self, request):
         return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in LookupBucket._meta.fields]
+
+    @admin.display(description="matched / asked")
+    def ratio(self, obj):
+        ratio = obj.matched_ratio
+        return "—" if ratio is None else f"{ratio:.1%}"

@@ -149,3 +149,27 @@ class CompatDescriptor(models.Model):
     @property
     def compat_id_hex(self) -> str:
         return bytes(self.compat_id).hex()
+
+
+class LookupBucket(models.Model):
+    """Lookups (6.2) of one minute: how many Block Keys were asked for and how many matched, for
+    the hit ratio over time on the dashboard. Each server process adds its counts at most once a
+    second (``kvspsite.metrics``), so a lookup itself never waits on this write.
+    """
+
+    minute = models.DateTimeField(unique=True)
+    lookups = models.PositiveBigIntegerField(default=0)
+    # Lookups that matched at least one block.
+    hits = models.PositiveBigIntegerField(default=0)
+    block_keys = models.PositiveBigIntegerField(default=0)
+    matched_blocks = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-minute"]
+
+    def __str__(self) -> str:
+        return f"lookups at {self.minute:%Y-%m-%d %H:%M}"
+
+    @property
+    def matched_ratio(self) -> float | None:
+        return self.matched_blocks / self.block_keys if self.block_keys else None

@@ -14,11 +14,13 @@ from typing import NamedTuple
 
 import orjson
 from django.db import connection
+from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
 from index import authz
-from index.models import CompatDescriptor, Scope
+from index.models import CompatDescriptor, Holder, LookupBucket, Replica, Scope, Tier
 from kvsp.records import LookupRequest
+from kvspsite import metrics
 
 _SELECT_REPLICAS = (
     "SELECT r.block_key, h.url, r.codec, r.size, r.digest, r.layer_digests, r.residency, "
@@ -152,6 +154,7 @@ def lookup(principal, request: LookupRequest, *, now=None) -> dict:
     keys = list(map(bytes.fromhex, request.block_keys))
     found = replica_rows_by_key(principal, compat_id, scope_id, keys, now=now)
     matched = matched_prefix(keys, found)
+    metrics.observe_lookup("lookup", len(keys), matched)
     answer = {
         "matched": matched,
         "blocks": [
@@ -175,3 +178,102 @@ def scope_for(principal, scope_id: bytes) -> Scope | None:
     if not authz.may_read_scope(principal, scope_id):
         return None
     return Scope.objects.filter(scope_id=scope_id).first()
+
+
+# --- The operator's view: the dashboard and /metrics read these --------------------------------
+
+
+def _live_replicas(now: datetime):
+    return Replica.objects.filter(expires_at__gt=now)
+
+
+def _with_tier_bits(queryset):
+    """Annotate each replica with one field per tier: nonzero when some layers are in it."""
+    return queryset.annotate(**{f"in_{t.label}": F("tier_mask").bitand(t.value) for t in Tier})
+
+
+def _tier_aggregates() -> dict:
+    aggregates = {"replicas": Count("pk"), "octets": Sum("size")}
+    for tier in Tier:
+        held = Q(**{f"in_{tier.label}__gt": 0})
+        aggregates[f"{tier.label}_replicas"] = Count("pk", filter=held)
+        aggregates[f"{tier.label}_octets"] = Sum("size", filter=held)
+    return aggregates
+
+
+def _tier_figures(row: dict) -> dict:
+    return {
+        "replicas": row["replicas"],
+        "octets": row["octets"] or 0,
+        "tiers": {
+            tier.label: {
+                "replicas": row[f"{tier.label}_replicas"],
+                "octets": row[f"{tier.label}_octets"] or 0,
+            }
+            for tier in Tier
+        },
+    }
+
+
+def replica_tier_totals(*, holder_id: int | None = None, now=None) -> dict:
+    """Unexpired replicas and their octets, in all and per tier, at every holder or at one; a
+    replica whose layers lie in two tiers counts in both."""
+    now = now or timezone.now()
+    replicas = _live_replicas(now)
+    if holder_id is not None:
+        replicas = replicas.filter(holder_id=holder_id)
+    return _tier_figures(_with_tier_bits(replicas).aggregate(**_tier_aggregates()))
+
+
+def replicas_by_holder(*, now=None) -> list[dict]:
+    """Per holder: its id and URL, and the figures of ``replica_tier_totals`` for its replicas."""
+    now = now or timezone.now()
+    rows = (
+        _with_tier_bits(_live_replicas(now))
+        .values("holder_id", "holder__url")
+        .annotate(**_tier_aggregates())
+        .order_by("holder__url")
+    )
+    return [{"id": r["holder_id"], "url": r["holder__url"], **_tier_figures(r)} for r in rows]
+
+
+def holder_by_id(holder_id: int) -> Holder | None:
+    return Holder.objects.filter(pk=holder_id).first()
+
+
+def holder_by_url(url: str) -> Holder | None:
+    return Holder.objects.filter(url=url).first()
+
+
+def holder_replicas(holder_id: int, *, tier: Tier | None = None, limit: int = 200, now=None):
+    """A holder's unexpired replicas, the most recently refreshed first."""
+    now = now or timezone.now()
+    replicas = _live_replicas(now).filter(holder_id=holder_id)
+    if tier is not None:
+        replicas = _with_tier_bits(replicas).filter(**{f"in_{tier.label}__gt": 0})
+    return list(replicas.order_by("-refreshed_at")[:limit])
+
+
+def replica_ids_at(holder_id: int, replica_ids) -> list[int]:
+    """Those of the given replica ids that are replicas at the holder."""
+    rows = Replica.objects.filter(holder_id=holder_id, pk__in=list(replica_ids))
+    return list(rows.values_list("pk", flat=True))
+
+
+def lookup_buckets(since: datetime) -> list[LookupBucket]:
+    """The per-minute lookup counts from ``since`` on, oldest first."""
+    return list(LookupBucket.objects.filter(minute__gte=since).order_by("minute"))
+
+
+def lookup_totals(since: datetime) -> dict:
+    """Lookups, hits, Block Keys asked and matched since a time, summed over minutes."""
+    row = LookupBucket.objects.filter(minute__gte=since).aggregate(
+        lookups=Sum("lookups"),
+        hits=Sum("hits"),
+        block_keys=Sum("block_keys"),
+        matched_blocks=Sum("matched_blocks"),
+    )
+    totals = {name: value or 0 for name, value in row.items()}
+    keys = totals["block_keys"]
+    totals["matched_ratio"] = totals["matched_blocks"] / keys if keys else None
+    return totals

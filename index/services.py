@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from index import authz
 from index.auth import new_token
-from index.models import CompatDescriptor, Holder, Principal, Replica, Scope, Tier
+from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
 from index.scopekeys import seal_scope_key
 from kvsp import blockkeys, compat
 from kvsp.problems import ProtocolError
@@ -210,3 +210,36 @@ def do_delete_expired_replicas(*, now: datetime | None = None, batch: int = 5000
             return total
         deleted, _ = Replica.objects.filter(pk__in=ids, expires_at__lte=now).delete()
         total += deleted
+
+
+_ADD_LOOKUPS = """
+INSERT INTO index_lookupbucket (minute, lookups, hits, block_keys, matched_blocks)
+VALUES (%s, %s, %s, %s, %s)
+ON CONFLICT (minute) DO UPDATE SET
+    lookups = index_lookupbucket.lookups + excluded.lookups,
+    hits = index_lookupbucket.hits + excluded.hits,
+    block_keys = index_lookupbucket.block_keys + excluded.block_keys,
+    matched_blocks = index_lookupbucket.matched_blocks + excluded.matched_blocks
+"""
+
+
+def do_record_lookups(
+    minute: datetime, *, lookups: int, hits: int, block_keys: int, matched_blocks: int
+) -> None:
+    """Add one process's lookup counts of a minute to that minute's bucket: one upsert, so that
+    processes adding to the same minute at once lose nothing."""
+    params = [
+        connection.ops.adapt_datetimefield_value(minute.replace(second=0, microsecond=0)),
+        lookups,
+        hits,
+        block_keys,
+        matched_blocks,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(_ADD_LOOKUPS, params)
+
+
+def do_prune_lookup_buckets(*, keep: timedelta = timedelta(days=1), now=None) -> int:
+    now = now or timezone.now()
+    deleted, _ = LookupBucket.objects.filter(minute__lt=now - keep).delete()
+    return deleted

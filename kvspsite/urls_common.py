@@ -1,11 +1,12 @@
-"""URLs both roles serve: the OpenAPI schema, liveness, and problem-details error handlers."""
+"""URLs both roles serve: the OpenAPI schema, liveness, Prometheus metrics."""
 
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView
 
-from kvspsite import views
+from kvspsite import metrics, views
 
 urlpatterns = [
     path("kvsp/schema", SpectacularAPIView.as_view(), name="schema"),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", metrics.metrics_view, name="metrics"),
 ]

@@ -1,8 +1,10 @@
-"""URLs of the control plane: Index Service, Placement Controller, front end, admin."""
+"""URLs of the control plane: Index Service, Placement Controller, front end, admin, and the
+operator dashboard."""
 
 from django.contrib import admin
 from django.urls import include, path
 
+from kvspsite.dashboard.views import favicon
 from kvspsite.urls_common import urlpatterns as common
 
 urlpatterns = [
@@ -11,4 +13,9 @@ urlpatterns = [
     path("kvsp/", include("placement.api.urls")),
     path("kvsp/", include("sessions.api.urls")),
     path("admin/", admin.site.urls),
+    path("favicon.ico", favicon, name="favicon"),
+    path("", include("kvspsite.dashboard.urls")),
 ]
+
+admin.site.site_header = admin.site.site_title = "KVSP administration"
+admin.site.site_url = "/"

@@ -1,16 +1,31 @@
-"""Admin for the Placement Controller: instances (with lifecycle actions), directives, samples.
+"""Admin for the Placement Controller: instances (with lifecycle actions), status samples,
+prefetch directives, Shard Maps and reshard operations (with abort).
 
-Protocol state (epoch, figures, expiry) is read-only here: only the protocol changes it, and
-state changes go through the same service as the API.
+Protocol state (epoch, figures, expiry, directive and reshard outcomes) is read-only here: only
+the protocol changes it. State changes and aborts go through the same services as the API and
+the dashboard.
 """
 
 from __future__ import annotations
 
+from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.urls import reverse
+from django.utils import timezone
 
+from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
-from placement import services
-from placement.models import Directive, Instance, InstanceState, StatusSample
+from placement import resharding, services
+from placement.models import (
+    Directive,
+    Instance,
+    InstanceState,
+    ReshardOperation,
+    ReshardPhase,
+    ShardMap,
+    StatusSample,
+)
 
 _PROTOCOL_FIELDS = (
     "state",
@@ -31,13 +46,14 @@ _PROTOCOL_FIELDS = (
     "last_report_at",
     "expires_at",
     "failed_at",
+    "last_sample_at",
     "restarts",
     "registered_at",
 )
 
 
 def _state_action(target: str, description: str):
-    @admin.action(description=description)
+    @admin.action(description=description, permissions=["change"])
     def action(modeladmin, request, queryset):
         changed = 0
         for instance in queryset:
@@ -52,50 +68,270 @@ def _state_action(target: str, description: str):
     return action
 
 
+class InstanceForm(forms.ModelForm):
+    """Registration checks the same names and URLs as ``kvsp_instance add``."""
+
+    class Meta:
+        model = Instance
+        fields = ("name", "url", "compat_ids")
+
+    def _checked(self, check, value):
+        try:
+            return check(value)
+        except ProtocolError as error:
+            raise ValidationError(error.detail) from None
+
+    def clean_name(self):
+        return self._checked(services.check_instance_name, self.cleaned_data["name"])
+
+    def clean_url(self):
+        return self._checked(services.check_base_url, self.cleaned_data["url"])
+
+    def clean_compat_ids(self):
+        compat_ids = self.cleaned_data["compat_ids"] or []
+        if not isinstance(compat_ids, list) or not all(is_hex(c, 32) for c in compat_ids):
+            raise ValidationError("a JSON list of Compatibility IDs, each 64 lowercase hex digits")
+        return compat_ids
+
+
+class LivenessFilter(admin.SimpleListFilter):
+    title = "status record"
+    parameter_name = "record"
+
+    def lookups(self, request, model_admin):
+        return [("live", "unexpired"), ("expired", "expired or none")]
+
+    def queryset(self, request, queryset):
+        now = timezone.now()
+        if self.value() == "live":
+            return queryset.filter(expires_at__gt=now)
+        if self.value() == "expired":
+            return queryset.exclude(expires_at__gt=now)
+        return queryset
+
+
 @admin.register(Instance)
 class InstanceAdmin(admin.ModelAdmin):
+    form = InstanceForm
     list_display = (
         "name",
         "url",
         "state",
+        "live",
         "epoch",
         "running",
         "queued",
+        "batch_size",
         "kv_utilization",
         "last_report_at",
         "restarts",
     )
-    list_filter = ("state",)
+    list_filter = ("state", LivenessFilter)
     search_fields = ("name", "url")
-    readonly_fields = _PROTOCOL_FIELDS
     actions = (
         _state_action(InstanceState.DRAINING, "Drain the selected instances"),
         _state_action(InstanceState.SLEEPING, "Put the selected instances to sleep"),
         _state_action(InstanceState.ACTIVE, "Wake (activate) the selected instances"),
     )
 
-
-@admin.register(Directive)
-class DirectiveAdmin(admin.ModelAdmin):
-    list_display = ("directive", "instance", "request_ref", "state", "created_at", "finished_at")
-    list_filter = ("state", "instance")
-    search_fields = ("request_ref", "directive")
-    list_select_related = ("instance",)
-
     def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in Directive._meta.fields]
+        # A registered instance's name is its queue and principal binding, its URL the identity
+        # its status records carry: neither changes after registration.
+        return _PROTOCOL_FIELDS if obj is None else ("name", "url", *_PROTOCOL_FIELDS)
 
-    def has_add_permission(self, request):
+    def get_fieldsets(self, request, obj=None):
+        if obj is None:
+            return [(None, {"fields": ("name", "url", "compat_ids")})]
+        return [
+            ("Registration", {"fields": ("name", "url", "compat_ids", "registered_at")}),
+            (
+                "Lifecycle (6.3)",
+                {
+                    "fields": (
+                        "state",
+                        "state_changed_at",
+                        "requested_state",
+                        "state_version",
+                        "pushed_state_version",
+                        "failed_at",
+                        "restarts",
+                    )
+                },
+            ),
+            (
+                "Latest status record",
+                {
+                    "fields": (
+                        "epoch",
+                        "running",
+                        "queued",
+                        "batch_size",
+                        "kv_utilization",
+                        "prefill_tokens_per_s",
+                        "decode_tokens_per_s",
+                        "reported_compat_ids",
+                        "ttl_ms",
+                        "last_report_at",
+                        "expires_at",
+                        "last_sample_at",
+                        "last_status",
+                    )
+                },
+            ),
+        ]
+
+    @admin.display(boolean=True, description="record unexpired")
+    def live(self, obj):
+        return obj.expires_at is not None and obj.expires_at > timezone.now()
+
+    def view_on_site(self, obj):
+        return reverse("dashboard:instance", args=[obj.name])
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows only the protocol writes: viewable, never added or edited by hand."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
         return False
 
 
+@admin.register(Directive)
+class DirectiveAdmin(ReadOnlyAdmin):
+    list_display = (
+        "directive",
+        "instance",
+        "request_ref",
+        "state",
+        "loaded_of_blocks",
+        "latency",
+        "created_at",
+        "finished_at",
+    )
+    list_filter = ("state", "instance", "created_at")
+    search_fields = ("request_ref", "instance__name")
+    search_help_text = "A request reference, an instance name, or a directive id."
+    list_select_related = ("instance",)
+    date_hierarchy = "created_at"
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in Directive._meta.fields] + ["latency"]
+
+    def get_search_results(self, request, queryset, search_term):
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        try:
+            found |= queryset.filter(directive=search_term.strip())
+        except ValidationError:
+            pass  # not a UUID: the text search above is all there is
+        return found, duplicates
+
+    @admin.display(description="loaded")
+    def loaded_of_blocks(self, obj):
+        return f"{len(obj.loaded)} / {len(obj.blocks)}"
+
+    @admin.display(description="latency")
+    def latency(self, obj):
+        latency = obj.latency_ms
+        return "—" if latency is None else f"{latency:.0f} ms"
+
+
 @admin.register(StatusSample)
-class StatusSampleAdmin(admin.ModelAdmin):
-    list_display = ("instance", "at", "state", "running", "queued", "kv_utilization")
-    list_filter = ("instance",)
+class StatusSampleAdmin(ReadOnlyAdmin):
+    list_display = (
+        "instance",
+        "at",
+        "epoch",
+        "state",
+        "running",
+        "queued",
+        "kv_utilization",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+    )
+    list_filter = ("instance", "state")
+    list_select_related = ("instance",)
+    date_hierarchy = "at"
 
     def get_readonly_fields(self, request, obj=None):
         return [field.name for field in StatusSample._meta.fields]
 
-    def has_add_permission(self, request):
-        return False
+
+class ReshardOperationInline(admin.TabularInline):
+    model = ReshardOperation
+    fields = ("from_version", "to_version", "phase", "started_at", "decided_at", "reason")
+    readonly_fields = fields
+    extra = 0
+    max_num = 0
+    can_delete = False
+    show_change_link = True
+
+
+@admin.register(ShardMap)
+class ShardMapAdmin(ReadOnlyAdmin):
+    list_display = ("map", "version", "shard_count", "members", "updated_at")
+    search_fields = ("map",)
+    inlines = (ReshardOperationInline,)
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in ShardMap._meta.fields]
+
+    @admin.display(description="shards")
+    def shard_count(self, obj):
+        return len(obj.shards)
+
+    @admin.display(description="members")
+    def members(self, obj):
+        return ", ".join(sorted({shard["instance"] for shard in obj.shards}))
+
+
+@admin.register(ReshardOperation)
+class ReshardOperationAdmin(ReadOnlyAdmin):
+    list_display = (
+        "__str__",
+        "phase",
+        "acknowledged_of_members",
+        "informed_of_members",
+        "started_at",
+        "deadline_at",
+        "decided_at",
+        "finished_at",
+        "reason",
+    )
+    list_filter = ("phase", "shard_map")
+    search_fields = ("shard_map__map", "reason")
+    list_select_related = ("shard_map",)
+    actions = ("abort",)
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in ReshardOperation._meta.fields]
+
+    @admin.display(description="acknowledged")
+    def acknowledged_of_members(self, obj):
+        return f"{len(obj.acknowledged)} / {len(obj.members)}"
+
+    @admin.display(description="told")
+    def informed_of_members(self, obj):
+        return f"{len(obj.informed)} / {len(obj.members)}"
+
+    def has_abort_permission(self, request):
+        return request.user.has_perm("placement.change_reshardoperation")
+
+    @admin.action(description="Abort the selected reshards", permissions=["abort"])
+    def abort(self, request, queryset):
+        aborted = 0
+        for operation in queryset.select_related("shard_map"):
+            if operation.phase != ReshardPhase.PREPARING:
+                self.message_user(
+                    request,
+                    f"{operation}: only a reshard still preparing can be aborted",
+                    messages.ERROR,
+                )
+                continue
+            try:
+                resharding.do_abort_reshard(operation.pk)
+                aborted += 1
+            except ProtocolError as error:
+                self.message_user(request, f"{operation}: {error.detail}", messages.ERROR)
+        self.message_user(request, f"Aborted {aborted} reshard(s).")

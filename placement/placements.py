@@ -22,6 +22,7 @@ from index.scopekeys import open_scope_key
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import PlacementRequest
+from kvspsite import metrics
 from placement import policy, pricing, services
 from placement.models import Directive, InstanceState
 from placement.selectors import candidates, matched_blocks
@@ -73,6 +74,7 @@ def do_place(principal, body: object, *, now=None) -> dict:
 
     found = index_selectors.replica_rows_by_key(principal, compat_id, scope_id, keys, now=now)
     matched = index_selectors.matched_prefix(keys, found)
+    metrics.observe_lookup("placement", len(keys), matched)
     blocks = matched_blocks([found[key] for key in keys[:matched]])
     timer.lap("lookup")
 

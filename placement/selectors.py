@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import functools
 import json
-from datetime import datetime
+from collections import defaultdict
+from datetime import datetime, timedelta
 from typing import NamedTuple
 
+from django.db.models import Avg, Count, DurationField, ExpressionWrapper, F, Max, Q, Sum
+from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from index.models import CompatDescriptor
 from kvsp import cost
 from kvsp.records import InstanceStatusRecord, ResidencyEntry
-from placement.models import Instance, InstanceState
+from placement.models import (
+    Directive,
+    DirectiveState,
+    Instance,
+    InstanceState,
+    ReshardOperation,
+    ReshardPhase,
+    ShardMap,
+    StatusSample,
+)
 
 
 def live_status(instance: Instance, now: datetime) -> InstanceStatusRecord | None:
@@ -118,3 +130,157 @@ def instance_json(instance: Instance, *, now=None) -> dict:
         "restarts": instance.restarts,
         "state_pushed": instance.pushed_state_version >= instance.state_version,
     }
+
+
+# --- The operator's view: the dashboard and /metrics read these --------------------------------
+
+
+def instance_by_name(name: str) -> Instance | None:
+    return Instance.objects.filter(name=name).first()
+
+
+def instance_figures(instance: Instance, *, now=None) -> dict:
+    """An instance as ``instance_json`` shows it, with its load: (running + queued) per slot of
+    its batch (1.0 is a full batch and no queue)."""
+    document = instance_json(instance, now=now)
+    document["load"] = (instance.running + instance.queued) / (instance.batch_size or 1)
+    return document
+
+
+def instances(*, now=None) -> list[dict]:
+    """Every instance, as ``instance_figures`` shows it."""
+    now = now or timezone.now()
+    return [instance_figures(instance, now=now) for instance in Instance.objects.all()]
+
+
+def instance_state_counts() -> dict[str, int]:
+    """Instances per lifecycle state, every state present (zero when none)."""
+    counts = dict.fromkeys(InstanceState.values, 0)
+    for row in Instance.objects.values("state").annotate(n=Count("pk")):
+        counts[row["state"]] = row["n"]
+    return counts
+
+
+def status_samples(instance: Instance, since: datetime) -> list[StatusSample]:
+    """An instance's sampled figures from ``since`` on, oldest first."""
+    return list(instance.samples.filter(at__gte=since).order_by("at"))
+
+
+def cluster_load(since: datetime) -> list[dict]:
+    """Per minute since ``since``: running and queued requests summed over instances (each
+    instance's mean over the minute) and the mean KV utilization of the instances sampled."""
+    rows = (
+        StatusSample.objects.filter(at__gte=since)
+        .annotate(minute=TruncMinute("at"))
+        .values("minute", "instance_id")
+        .annotate(running=Avg("running"), queued=Avg("queued"), kv=Avg("kv_utilization"))
+        .order_by("minute")
+    )
+    minutes: dict[datetime, dict] = defaultdict(
+        lambda: {"running": 0.0, "queued": 0.0, "kv": 0.0, "instances": 0}
+    )
+    for row in rows:
+        minute = minutes[row["minute"]]
+        minute["running"] += row["running"]
+        minute["queued"] += row["queued"]
+        minute["kv"] += row["kv"]
+        minute["instances"] += 1
+    return [
+        {
+            "minute": minute,
+            "running": figures["running"],
+            "queued": figures["queued"],
+            "kv_utilization": figures["kv"] / figures["instances"],
+        }
+        for minute, figures in minutes.items()
+    ]
+
+
+def _directives(instance: Instance | None):
+    directives = Directive.objects.all()
+    return directives if instance is None else directives.filter(instance=instance)
+
+
+def _with_latency(queryset):
+    return queryset.annotate(
+        latency=ExpressionWrapper(F("finished_at") - F("created_at"), output_field=DurationField())
+    )
+
+
+def directive_state_counts(instance: Instance | None = None) -> dict[str, int]:
+    """Prefetch directives (6.5) per state, every state present."""
+    counts = dict.fromkeys(DirectiveState.values, 0)
+    for row in _directives(instance).values("state").annotate(n=Count("pk")):
+        counts[row["state"]] = row["n"]
+    return counts
+
+
+def recent_directives(limit: int = 20, *, instance: Instance | None = None) -> list[Directive]:
+    """The latest prefetch directives, newest first, with their instance."""
+    return list(_directives(instance).select_related("instance").order_by("-created_at")[:limit])
+
+
+def prefetch_latency(since: datetime, *, instance: Instance | None = None) -> list[dict]:
+    """Per minute since ``since``: directives finished, and their mean and longest time from
+    being recorded to a final state, in milliseconds."""
+    rows = (
+        _with_latency(_directives(instance).filter(finished_at__gte=since))
+        .annotate(minute=TruncMinute("finished_at"))
+        .values("minute")
+        .annotate(finished=Count("pk"), mean=Avg("latency"), longest=Max("latency"))
+        .order_by("minute")
+    )
+    return [
+        {
+            "minute": row["minute"],
+            "finished": row["finished"],
+            "mean_ms": row["mean"].total_seconds() * 1000,
+            "max_ms": row["longest"].total_seconds() * 1000,
+        }
+        for row in rows
+    ]
+
+
+def prefetch_latency_histogram(bounds_s: tuple[float, ...]) -> dict:
+    """Finished directives by latency: cumulative counts at or below each bound (seconds), the
+    count and the sum of all latencies in seconds, per final state."""
+    aggregates = {"count": Count("pk"), "sum": Sum("latency")}
+    for position, bound in enumerate(bounds_s):
+        aggregates[f"le_{position}"] = Count("pk", filter=Q(latency__lte=timedelta(seconds=bound)))
+    rows = (
+        _with_latency(Directive.objects.filter(finished_at__isnull=False))
+        .values("state")
+        .annotate(**aggregates)
+        .order_by("state")
+    )
+    return {
+        row["state"]: {
+            "buckets": [row[f"le_{position}"] for position in range(len(bounds_s))],
+            "count": row["count"],
+            "sum_s": row["sum"].total_seconds() if row["sum"] is not None else 0.0,
+        }
+        for row in rows
+    }
+
+
+def shard_maps() -> list[ShardMap]:
+    return list(ShardMap.objects.all())
+
+
+def reshard_operation(operation_id: int) -> ReshardOperation | None:
+    return ReshardOperation.objects.select_related("shard_map").filter(pk=operation_id).first()
+
+
+def recent_reshard_operations(limit: int = 20) -> list[ReshardOperation]:
+    """Reshard operations (6.9), those still preparing first, then the latest."""
+    operations = ReshardOperation.objects.select_related("shard_map")
+    preparing = list(operations.filter(phase=ReshardPhase.PREPARING).order_by("started_at"))
+    done = operations.exclude(phase=ReshardPhase.PREPARING).order_by("-started_at")
+    return preparing + list(done[: max(limit - len(preparing), 0)])
+
+
+def reshard_phase_counts() -> dict[str, int]:
+    counts = dict.fromkeys(ReshardPhase.values, 0)
+    for row in ReshardOperation.objects.values("phase").annotate(n=Count("pk")):
+        counts[row["phase"]] = row["n"]
+    return counts

@@ -1,6 +1,8 @@
-"""Admin for sessions: read-only, since only the protocol changes a session."""
+"""Admin for sessions and their delivered tokens: read-only, since only the protocol changes a
+session (6.8); each session links to its live page on the dashboard."""
 
 from django.contrib import admin
+from django.urls import reverse
 
 from sessions.models import OutputToken, Session
 
@@ -14,6 +16,21 @@ class OutputTokenInline(admin.TabularInline):
     max_num = 0
 
 
+class FailedOverFilter(admin.SimpleListFilter):
+    title = "failovers"
+    parameter_name = "failed_over"
+
+    def lookups(self, request, model_admin):
+        return [("yes", "failed over at least once"), ("no", "never failed over")]
+
+    def queryset(self, request, queryset):
+        if self.value() == "yes":
+            return queryset.filter(failovers__gt=0)
+        if self.value() == "no":
+            return queryset.filter(failovers=0)
+        return queryset
+
+
 @admin.register(Session)
 class SessionAdmin(admin.ModelAdmin):
     list_display = (
@@ -22,17 +39,50 @@ class SessionAdmin(admin.ModelAdmin):
         "epoch",
         "instance",
         "checkpoint_offset",
-        "delivered",
+        "progress",
         "failovers",
+        "created_at",
         "updated_at",
     )
-    list_filter = ("state", "instance")
-    search_fields = ("session",)
+    list_filter = ("state", FailedOverFilter, "instance")
+    search_fields = ("session", "instance__name")
+    search_help_text = "A session id or an instance name."
     list_select_related = ("instance",)
+    date_hierarchy = "created_at"
     inlines = (OutputTokenInline,)
 
     def get_readonly_fields(self, request, obj=None):
         return [field.name for field in Session._meta.fields]
 
     def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    @admin.display(description="delivered")
+    def progress(self, obj):
+        if obj.final_length is None:
+            return f"{obj.delivered}"
+        return f"{obj.delivered} / {obj.final_length}"
+
+    def view_on_site(self, obj):
+        return reverse("dashboard:session", args=[obj.session])
+
+
+@admin.register(OutputToken)
+class OutputTokenAdmin(admin.ModelAdmin):
+    list_display = ("session", "index", "token", "epoch", "delivered_at")
+    list_filter = ("epoch",)
+    search_fields = ("session__session",)
+    search_help_text = "A session id."
+    list_select_related = ("session",)
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in OutputToken._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
         return False

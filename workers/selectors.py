@@ -7,7 +7,7 @@ import hashlib
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Sum
+from django.db.models import Count, Sum
 from django.utils import timezone
 
 from index.authz import may_read_scope
@@ -141,3 +141,31 @@ def links(name: str) -> tuple[Link, ...]:
     }
     configured = {link.holder: link for link in settings.KVSP_LINKS}
     return tuple(sorted({**configured, **measured}.values(), key=lambda link: link.holder))
+
+
+# --- Leases across nodes, for the dashboard and /metrics -------------------------------------
+
+
+def _live_leases(now, instance: str | None):
+    leases = Lease.objects.filter(expires_at__gt=now)
+    return leases if instance is None else leases.filter(instance=instance)
+
+
+def lease_totals(*, instance: str | None = None, now=None) -> list[dict]:
+    """Per holder instance: its unexpired leases and the octets they keep from eviction."""
+    now = now or timezone.now()
+    rows = (
+        _live_leases(now, instance)
+        .values("instance")
+        .annotate(leases=Count("pk"), octets=Sum("octets"))
+        .order_by("instance")
+    )
+    return [{"instance": r["instance"], "leases": r["leases"], "octets": r["octets"]} for r in rows]
+
+
+def recent_leases(limit: int = 20, *, instance: str | None = None, now=None) -> list[Lease]:
+    """Unexpired leases, the latest first, with the principal that holds each."""
+    now = now or timezone.now()
+    return list(
+        _live_leases(now, instance).select_related("principal").order_by("-created_at")[:limit]
+    )

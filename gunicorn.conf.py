@@ -1,0 +1,51 @@
+"""Settings gunicorn reads from the working directory when it starts a role of this project.
+
+Each server gets a directory of its own for prometheus-client's multiprocess mode, so that
+``/metrics`` adds up the requests of all its workers instead of answering for whichever worker
+took the scrape (``kvspsite/metrics.py``). The directory lives under ``var/metrics/`` named by
+the server's process id; it is emptied at start-up and removed at exit, and directories left by
+servers that were killed are removed by the next server that starts. A directory named by the
+environment (``PROMETHEUS_MULTIPROC_DIR``) is used as it is.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+_VAR_DIR = Path(os.environ.get("KVSP_VAR_DIR") or Path(__file__).resolve().parent / "var")
+_METRICS_DIR = _VAR_DIR / "metrics"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _metrics_dir() -> Path:
+    _METRICS_DIR.mkdir(parents=True, exist_ok=True)
+    for left in _METRICS_DIR.iterdir():
+        if left.name.isdigit() and not _alive(int(left.name)):
+            shutil.rmtree(left, ignore_errors=True)
+    mine = _METRICS_DIR / str(os.getpid())
+    shutil.rmtree(mine, ignore_errors=True)
+    mine.mkdir()
+    return mine
+
+
+# This file is read by the server's own process before it loads the application (even with
+# --preload) and before it forks workers, so every process of the server sees the directory
+# before it imports prometheus-client. A directory the environment names already is kept.
+_OWN_DIR = None
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    _OWN_DIR = _metrics_dir()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_OWN_DIR)
+
+
+def on_exit(server):
+    if _OWN_DIR is not None:
+        shutil.rmtree(_OWN_DIR, ignore_errors=True)

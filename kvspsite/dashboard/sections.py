@@ -1,0 +1,496 @@
+"""What each dashboard page shows.
+
+A page is a tuple of sections. A section is one template under ``templates/dashboard/sections/``
+fed by one function of selectors, and may carry charts fed by series of the same selectors. A
+page and its live JSON render the same sections, so a refresh shows exactly what a reload
+would. A new part of a page is one more ``Section`` in its tuple and one template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from index import selectors as index_selectors
+from index.models import Tier
+from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from placement import selectors as placement_selectors
+from placement.models import Instance, InstanceState, ReshardPhase
+from sessions import selectors as session_selectors
+from sessions.services import session_json
+from workers import selectors as lease_selectors
+
+# The longest span of a chart, the shortest (a young cluster's few points are not squeezed
+# against the right edge of an hour), and how many rows a "latest" table lists.
+CHART_WINDOW = timedelta(hours=1)
+SHORTEST_CHART_WINDOW = timedelta(minutes=5)
+RECENT = 20
+HOLDER_REPLICAS = 200
+LOOKUP_SUMMARY_WINDOW = timedelta(minutes=5)
+
+
+@dataclass
+class Page:
+    """What a page is about and when it is drawn; ``return_to`` is where its actions lead back.
+    Figures two sections both need are read once per drawing (``once``)."""
+
+    now: datetime
+    return_to: str
+    instance: Instance | None = None
+    session: object = None
+    holder: object = None
+    _read: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def since(self) -> datetime:
+        return self.now - CHART_WINDOW
+
+    def once(self, name: str, read: Callable[[], object]):
+        if name not in self._read:
+            self._read[name] = read()
+        return self._read[name]
+
+
+@dataclass(frozen=True)
+class Chart:
+    """A chart of lines over the last ``CHART_WINDOW``; ``unit`` tells the script how to scale
+    and label the y axis (``ratio`` is drawn from 0 to 1)."""
+
+    name: str
+    title: str
+    unit: str
+    lines: Callable[[Page], list[dict]]
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    title: str
+    template: str
+    data: Callable[[Page], dict]
+    charts: tuple[Chart, ...] = ()
+
+
+def ms(moment: datetime) -> int:
+    """A time as the charts take it: milliseconds since the epoch."""
+    return int(moment.timestamp() * 1000)
+
+
+def chart_window(page: Page, lines: list[dict]) -> list[int]:
+    """[start, end] of a chart in milliseconds: from its first point (at least
+    ``SHORTEST_CHART_WINDOW`` back, at most ``CHART_WINDOW``) to now."""
+    earliest = min((point[0] for line in lines for point in line["points"]), default=None)
+    start = ms(page.now - SHORTEST_CHART_WINDOW)
+    if earliest is not None:
+        start = max(ms(page.since), min(start, earliest))
+    return [start, ms(page.now)]
+
+
+def _line(name: str, points) -> dict:
+    return {"name": name, "points": [[ms(t), v] for t, v in points if v is not None]}
+
+
+def _seconds_between(earlier: datetime | None, later: datetime) -> float | None:
+    return None if earlier is None else (later - earlier).total_seconds()
+
+
+# --- Instances (6.3) --------------------------------------------------------------------------
+
+# The operator's actions on an instance: the state asked for, and the lifecycle event it is.
+# Asking for sleep drains first; the instance sleeps once its sessions are done (6.3).
+INSTANCE_ACTIONS = (
+    (InstanceState.DRAINING, "Drain", InstanceEvent.DRAIN),
+    (InstanceState.SLEEPING, "Sleep", InstanceEvent.DRAIN),
+    (InstanceState.ACTIVE, "Wake", InstanceEvent.ACTIVATE),
+)
+
+
+def instance_actions(state: str) -> list[dict]:
+    """The actions the lifecycle table allows from ``state``."""
+    return [
+        {"state": target, "label": label}
+        for target, label, event in INSTANCE_ACTIONS
+        if INSTANCE_LIFECYCLE.allows(state, event)
+    ]
+
+
+def _instance_row(document: dict) -> dict:
+    age_ms = document["last_report_age_ms"]
+    document["last_report_age_s"] = None if age_ms is None else age_ms / 1000
+    document["actions"] = instance_actions(document["state"])
+    return document
+
+
+def _instances(page: Page) -> list[dict]:
+    return page.once(
+        "instances",
+        lambda: [_instance_row(i) for i in placement_selectors.instances(now=page.now)],
+    )
+
+
+def _instances_data(page: Page) -> dict:
+    return {"instances": _instances(page), "return_to": page.return_to}
+
+
+def _cluster_load_lines(page: Page) -> list[dict]:
+    minutes = placement_selectors.cluster_load(page.since)
+    return [
+        _line("running", ((m["minute"], m["running"]) for m in minutes)),
+        _line("queued", ((m["minute"], m["queued"]) for m in minutes)),
+    ]
+
+
+def _cluster_kv_lines(page: Page) -> list[dict]:
+    minutes = placement_selectors.cluster_load(page.since)
+    return [_line("mean KV utilization", ((m["minute"], m["kv_utilization"]) for m in minutes))]
+
+
+def _instance_data(page: Page) -> dict:
+    instance = page.instance
+    document = _instance_row(placement_selectors.instance_figures(instance, now=page.now))
+    return {
+        "instance": document,
+        "registered_at": instance.registered_at,
+        "state_changed_at": instance.state_changed_at,
+        "failed_at": instance.failed_at,
+        "return_to": page.return_to,
+    }
+
+
+def _samples(page: Page):
+    return page.once(
+        "samples", lambda: placement_selectors.status_samples(page.instance, page.since)
+    )
+
+
+def _instance_load_lines(page: Page) -> list[dict]:
+    samples = _samples(page)
+    return [
+        _line("running", ((s.at, s.running) for s in samples)),
+        _line("queued", ((s.at, s.queued) for s in samples)),
+    ]
+
+
+def _instance_kv_lines(page: Page) -> list[dict]:
+    return [_line("KV utilization", ((s.at, s.kv_utilization) for s in _samples(page)))]
+
+
+def _instance_rate_lines(page: Page) -> list[dict]:
+    samples = _samples(page)
+    return [
+        _line("prefill", ((s.at, s.prefill_tokens_per_s) for s in samples)),
+        _line("decode", ((s.at, s.decode_tokens_per_s) for s in samples)),
+    ]
+
+
+# --- Replicas (6.1) ---------------------------------------------------------------------------
+
+
+def _replicas_data(page: Page) -> dict:
+    holders = page.once("holders", lambda: index_selectors.replicas_by_holder(now=page.now))
+    names = {i["url"]: i["name"] for i in _instances(page)}
+    for holder in holders:
+        holder["instance"] = names.get(holder["url"])
+    return {"holders": holders, "tiers": _tier_names()}
+
+
+def replica_row(replica, now: datetime) -> dict:
+    return {
+        "id": replica.pk,
+        "block_key": replica.block_key_hex,
+        "scope_id": replica.scope_id_hex,
+        "compat_id": replica.compat_id_hex,
+        "tiers": [tier.label for tier in Tier if replica.tier_mask & tier.value],
+        "size": replica.size,
+        "refreshed_at": replica.refreshed_at,
+        "expires_in_s": (replica.expires_at - now).total_seconds(),
+    }
+
+
+def _tier_names() -> list[str]:
+    return [tier.label for tier in Tier]
+
+
+def _holder_data(page: Page) -> dict:
+    holder = page.holder
+    instance = next((i for i in _instances(page) if i["url"] == holder.url), None)
+    return {
+        "holder": holder,
+        "instance": instance,
+        "figures": index_selectors.replica_tier_totals(holder_id=holder.pk, now=page.now),
+        "tiers": _tier_names(),
+    }
+
+
+def _instance_replicas_data(page: Page) -> dict:
+    holder = index_selectors.holder_by_url(page.instance.url)
+    figures = (
+        index_selectors.replica_tier_totals(holder_id=holder.pk, now=page.now) if holder else None
+    )
+    return {"holder": holder, "figures": figures, "tiers": _tier_names()}
+
+
+# --- Lookups (6.2) ----------------------------------------------------------------------------
+
+
+def _lookups_data(page: Page) -> dict:
+    minutes = int(LOOKUP_SUMMARY_WINDOW.total_seconds() // 60)
+    return {
+        "windows": [
+            (
+                f"last {minutes} minutes",
+                index_selectors.lookup_totals(page.now - LOOKUP_SUMMARY_WINDOW),
+            ),
+            ("last hour", index_selectors.lookup_totals(page.since)),
+        ]
+    }
+
+
+def _hit_ratio_lines(page: Page) -> list[dict]:
+    buckets = index_selectors.lookup_buckets(page.since)
+    return [
+        _line("matched blocks / blocks asked", ((b.minute, b.matched_ratio) for b in buckets)),
+        _line(
+            "lookups with a match / lookups",
+            ((b.minute, b.hits / b.lookups if b.lookups else None) for b in buckets),
+        ),
+    ]
+
+
+# --- Prefetch directives (6.5) ----------------------------------------------------------------
+
+
+def _directive_row(directive, now: datetime) -> dict:
+    return {
+        "directive": str(directive.directive),
+        "instance": directive.instance.name,
+        "request_ref": directive.request_ref,
+        "state": directive.state,
+        "blocks": len(directive.blocks),
+        "loaded": len(directive.loaded),
+        "latency_ms": directive.latency_ms,
+        "age_s": _seconds_between(directive.created_at, now),
+        "reason": directive.reason or directive.send_error,
+    }
+
+
+def _directives_data(page: Page) -> dict:
+    recent = placement_selectors.recent_directives(RECENT, instance=page.instance)
+    return {
+        "counts": placement_selectors.directive_state_counts(page.instance),
+        "directives": [_directive_row(d, page.now) for d in recent],
+        "show_instance": page.instance is None,
+    }
+
+
+def _prefetch_latency_lines(page: Page) -> list[dict]:
+    minutes = placement_selectors.prefetch_latency(page.since, instance=page.instance)
+    return [
+        _line("mean", ((m["minute"], m["mean_ms"]) for m in minutes)),
+        _line("longest", ((m["minute"], m["max_ms"]) for m in minutes)),
+    ]
+
+
+# --- Leases (6.6) -----------------------------------------------------------------------------
+
+
+def _leases_data(page: Page) -> dict:
+    name = page.instance.name if page.instance else None
+    recent = lease_selectors.recent_leases(RECENT, instance=name, now=page.now)
+    return {
+        "totals": lease_selectors.lease_totals(instance=name, now=page.now),
+        "leases": [
+            {
+                "lease": lease.lease,
+                "instance": lease.instance,
+                "principal": lease.principal.name,
+                "blocks": len(bytes(lease.block_keys)) // 32,
+                "octets": lease.octets,
+                "expires_in_s": (lease.expires_at - page.now).total_seconds(),
+            }
+            for lease in recent
+        ],
+        "show_instance": page.instance is None,
+    }
+
+
+# --- Sessions (6.8) ---------------------------------------------------------------------------
+
+
+def _session_row(session, now: datetime) -> dict:
+    document = session_json(session)
+    final = session.final_length
+    document["progress"] = session.delivered / final if final else None
+    document["updated_s"] = _seconds_between(session.updated_at, now)
+    return document
+
+
+def _sessions_data(page: Page) -> dict:
+    recent = session_selectors.recent_sessions(2 * RECENT, instance=page.instance)
+    return {
+        "counts": session_selectors.session_state_counts() if page.instance is None else None,
+        "sessions": [_session_row(s, page.now) for s in recent],
+        "show_instance": page.instance is None,
+    }
+
+
+def _session_data(page: Page) -> dict:
+    session = page.session
+    document = _session_row(session, page.now)
+    checkpoint = session.checkpoint or {}
+    return {
+        "session": document,
+        "scope_id": bytes(session.scope_id).hex(),
+        "compat_id": bytes(session.compat_id).hex(),
+        "prompt_blocks": len(checkpoint.get("prompt_blocks", ())),
+        "sampler": checkpoint.get("sampler"),
+        "checkpoints": session.checkpoints,
+        "created_at": session.created_at,
+        "completed_at": session.completed_at,
+        "failed_over_at": session.failed_over_at,
+        "resumed_first_token_at": session.resumed_first_token_at,
+        "resume_error": session.resume_error,
+    }
+
+
+# --- Shard maps and reshards (6.9) ------------------------------------------------------------
+
+
+def _shardmaps_data(page: Page) -> dict:
+    names = {i["url"]: i["name"] for i in _instances(page)}
+    maps = []
+    for row in placement_selectors.shard_maps():
+        members = sorted({shard["instance"] for shard in row.shards})
+        maps.append(
+            {
+                "map": row.map,
+                "version": row.version,
+                "shards": len(row.shards),
+                "tokens": [row.shards[0]["tokens"][0], row.shards[-1]["tokens"][1]],
+                "members": [names.get(url, url) for url in members],
+                "updated_at": row.updated_at,
+            }
+        )
+    operations = []
+    for operation in placement_selectors.recent_reshard_operations(RECENT):
+        operations.append(
+            {
+                "id": operation.pk,
+                "map": operation.shard_map.map,
+                "from": operation.from_version,
+                "to": operation.to_version,
+                "phase": operation.phase,
+                "members": len(operation.members),
+                "acknowledged": len(operation.acknowledged),
+                "informed": len(operation.informed),
+                "started_at": operation.started_at,
+                "deadline_in_s": (operation.deadline_at - page.now).total_seconds(),
+                "reason": operation.reason,
+                "can_abort": operation.phase == ReshardPhase.PREPARING,
+            }
+        )
+    return {"maps": maps, "operations": operations, "return_to": page.return_to}
+
+
+# --- The cluster at a glance ------------------------------------------------------------------
+
+
+def _summary_data(page: Page) -> dict:
+    holders = page.once("holders", lambda: index_selectors.replicas_by_holder(now=page.now))
+    return {
+        "instances": placement_selectors.instance_state_counts(),
+        "replicas": sum(h["replicas"] for h in holders),
+        "replica_octets": sum(h["octets"] for h in holders),
+        "holders": len(holders),
+        "sessions": session_selectors.session_state_counts(),
+        "failovers": session_selectors.failover_total(),
+        "directives": placement_selectors.directive_state_counts(),
+        "lookups": index_selectors.lookup_totals(page.now - LOOKUP_SUMMARY_WINDOW),
+        "lookup_minutes": int(LOOKUP_SUMMARY_WINDOW.total_seconds() // 60),
+        "reshards": placement_selectors.reshard_phase_counts(),
+    }
+
+
+_DIRECTIVES = "dashboard/sections/directives.html"
+_SESSIONS = "dashboard/sections/sessions.html"
+_LEASES = "dashboard/sections/leases.html"
+
+OVERVIEW = (
+    Section("summary", "At a glance", "dashboard/sections/summary.html", _summary_data),
+    Section(
+        "instances",
+        "Instances",
+        "dashboard/sections/instances.html",
+        _instances_data,
+        (
+            Chart(
+                "load",
+                "Requests running and queued (sum over instances)",
+                "requests",
+                _cluster_load_lines,
+            ),
+            Chart(
+                "kv_utilization", "KV utilization (mean over instances)", "ratio", _cluster_kv_lines
+            ),
+        ),
+    ),
+    Section(
+        "replicas",
+        "Replicas per holder and tier",
+        "dashboard/sections/replicas.html",
+        _replicas_data,
+    ),
+    Section(
+        "lookups",
+        "Lookups",
+        "dashboard/sections/lookups.html",
+        _lookups_data,
+        (Chart("hit_ratio", "Lookup hit ratio per minute", "ratio", _hit_ratio_lines),),
+    ),
+    Section(
+        "directives",
+        "Prefetch directives",
+        _DIRECTIVES,
+        _directives_data,
+        (Chart("prefetch_latency", "Prefetch latency per minute", "ms", _prefetch_latency_lines),),
+    ),
+    Section("leases", "Leases", _LEASES, _leases_data),
+    Section("sessions", "Sessions", _SESSIONS, _sessions_data),
+    Section(
+        "shardmaps", "Shard maps and reshards", "dashboard/sections/shardmaps.html", _shardmaps_data
+    ),
+)
+
+INSTANCE = (
+    Section(
+        "instance",
+        "Status",
+        "dashboard/sections/instance.html",
+        _instance_data,
+        (
+            Chart("load", "Requests running and queued", "requests", _instance_load_lines),
+            Chart("kv_utilization", "KV utilization", "ratio", _instance_kv_lines),
+            Chart("rates", "Prefill and decode rates", "tokens/s", _instance_rate_lines),
+        ),
+    ),
+    Section(
+        "directives",
+        "Prefetch directives sent to it",
+        _DIRECTIVES,
+        _directives_data,
+        (Chart("prefetch_latency", "Prefetch latency per minute", "ms", _prefetch_latency_lines),),
+    ),
+    Section("sessions", "Sessions it serves or served", _SESSIONS, _sessions_data),
+    Section(
+        "replicas",
+        "Replicas it holds",
+        "dashboard/sections/instance_replicas.html",
+        _instance_replicas_data,
+    ),
+    Section("leases", "Leases it granted", _LEASES, _leases_data),
+)
+
+SESSION = (Section("session", "Session", "dashboard/sections/session.html", _session_data),)
+
+HOLDER = (Section("holder", "Holder", "dashboard/sections/holder.html", _holder_data),)
