@@ -330,3 +330,7 @@ class ProblemDetailsMiddleware:
             return problem_http_response("kvsp-not-found", "no such resource")
         log.exception("uncaught error on %s", request.path)
         return problem_http_response("kvsp-internal-error", _SAFE_DETAIL[500])
+
+
+# The OpenAPI description registers the bearer scheme when imported.
+import kvspsite.openapi  # noqa: E402, F401

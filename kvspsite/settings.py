@@ -338,6 +338,11 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "kvspsite.openapi.describe",
+    ],
+    "DISABLE_ERRORS_AND_WARNINGS": True,
 }
 
 LOGGING = {

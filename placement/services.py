@@ -252,7 +252,7 @@ def do_change_state(name: str, requested: str, *, now=None) -> Instance:
     """An operator's or the PC's state change (spec 6.3), carried out with PUT state on the
     instance by a task that retries until the instance has it.
     """
-    if requested not in _REQUESTED_EVENT:
+    if not isinstance(requested, str) or requested not in _REQUESTED_EVENT:
         raise ProtocolError(
             "kvsp-invalid-record", "state: must be one of active, draining, sleeping"
         )
