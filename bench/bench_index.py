@@ -258,6 +258,16 @@ def main():
                 directory, "publish", token, publish_requests(scope_hex, holder, 2000)
             )
             rate, errors = wrk(wrk_bin, server.url, publish, args.seconds)
+            # The framework's floor on this machine: an authenticated GET that, like a publish,
+            # costs the token query and one indexed statement (a miss: 404 problem details).
+            floor = write_wrk_script(
+                directory, "floor", token, [("GET", f"/kvsp/compat/{COMPAT.hex()}", None)]
+            )
+            floor_rate, _ = wrk(wrk_bin, server.url, floor, args.seconds)
+            print(
+                f"  floor: authenticated GET of one indexed row {floor_rate:7.0f}/s; "
+                f"publishes reach {rate / floor_rate:.2f} of it"
+            )
             print(
                 f"  publishes: {rate:7.0f}/s with 2 gunicorn workers, {errors} errors "
                 f"(target >= 1000/s, ratio {rate / 1000:.2f})"

@@ -113,21 +113,17 @@ def _tier_mask(record: ReplicaRecord) -> int:
     return mask
 
 
-def _holder_id(url: str) -> int:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT id FROM index_holder WHERE url = %s", [url])
-        row = cursor.fetchone()
-    if row is not None:
-        return row[0]
-    holder, _ = Holder.objects.get_or_create(url=url)
-    return holder.id
+def _intern_holder(url: str) -> None:
+    Holder.objects.get_or_create(url=url)
 
 
 _UPSERT = """
 INSERT INTO index_replica (
     compat_id, scope_id, block_key, holder_id, codec, size, digest, layer_digests, residency,
     tier_mask, moqt_namespace, ttl_ms, expires_at, published_at, refreshed_at, refresh_count
-) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0)
+)
+SELECT %s, %s, %s, h.id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0
+FROM index_holder h WHERE h.url = %s
 ON CONFLICT (block_key, scope_id, compat_id, holder_id) DO UPDATE SET
     codec = excluded.codec, size = excluded.size, digest = excluded.digest,
     layer_digests = excluded.layer_digests, residency = excluded.residency,
@@ -153,7 +149,8 @@ def do_publish_replica(
     principal, record: ReplicaRecord, *, now: datetime | None = None
 ) -> Published:
     """Publish or refresh one replica (spec 6.1): one atomic upsert, so concurrent publishes of
-    the same replica neither duplicate it nor lose an update.
+    the same replica neither duplicate it nor lose an update. The holder's interned id is looked
+    up inside the same statement; only a holder's first record takes a second one.
     """
     authz.check_may_publish(principal, record)
     now = now or timezone.now()
@@ -163,7 +160,6 @@ def do_publish_replica(
         record.compat_id_bytes,
         record.scope_id_bytes,
         record.block_key_bytes,
-        _holder_id(record.holder),
         record.codec,
         record.size,
         record.digest_bytes,
@@ -175,10 +171,16 @@ def do_publish_replica(
         ops.adapt_datetimefield_value(now + timedelta(milliseconds=ttl_ms)),
         ops.adapt_datetimefield_value(now),
         ops.adapt_datetimefield_value(now),
+        record.holder,
     ]
     with connection.cursor() as cursor:
         cursor.execute(_UPSERT, params)
-        (refresh_count,) = cursor.fetchone()
+        row = cursor.fetchone()
+        if row is None:  # the holder's first record: intern its URL, then publish
+            _intern_holder(record.holder)
+            cursor.execute(_UPSERT, params)
+            row = cursor.fetchone()
+    (refresh_count,) = row
     return Published(record, ttl_ms=ttl_ms, created=refresh_count == 0)
 
 
