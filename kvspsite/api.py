@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from rest_framework import exceptions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
@@ -243,6 +244,11 @@ def problem_exception_handler(exc, context):
     """DRF's EXCEPTION_HANDLER: every exception a view raises becomes problem details."""
     if isinstance(exc, ProtocolError):
         return problem_response(exc.problem, exc.detail, status_code=exc.status)
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        log.warning("database unavailable: %s", exc)
+        return problem_response(
+            "kvsp-unavailable", "the database is unavailable; retry", headers={"Retry-After": "1"}
+        )
     if isinstance(exc, Http404):
         return problem_response("kvsp-not-found", "no such resource")
     if isinstance(exc, RequestDataTooBig):
@@ -328,6 +334,11 @@ class ProblemDetailsMiddleware:
             return problem_http_response(exception.problem, exception.detail, exception.status)
         if isinstance(exception, Http404):
             return problem_http_response("kvsp-not-found", "no such resource")
+        if isinstance(exception, (OperationalError, InterfaceError)):
+            log.warning("database unavailable: %s", exception)
+            response = problem_http_response("kvsp-unavailable", "the database is unavailable")
+            response["Retry-After"] = "1"
+            return response
         log.exception("uncaught error on %s", request.path)
         return problem_http_response("kvsp-internal-error", _SAFE_DETAIL[500])
 

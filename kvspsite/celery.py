@@ -8,6 +8,7 @@ redelivered task re-reads its row and returns early when the work is already don
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -15,6 +16,8 @@ from celery import Celery
 from kombu import Queue
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
+
+log = logging.getLogger(__name__)
 
 CONTROL_QUEUE = "control"
 
@@ -64,6 +67,21 @@ def kvsp_task(*, time_limit: int = 300, max_retries: int = 5, **opts):
     }
     options.update(opts)
     return app.task(**options)
+
+
+def enqueue(task, *args, queue: str | None = None, **options) -> bool:
+    """Send a task whose work is already recorded in a row; False when the broker is down.
+
+    Callers send after their transaction commits, so the work is durable before the message:
+    when the broker cannot take the message, a housekeeping sweep finds the row and sends it
+    again. A request that committed its write therefore never fails because the broker did.
+    """
+    try:
+        task.apply_async(args=args, queue=queue, **options)
+    except Exception:  # any broker or connection failure: the row is the record of the work
+        log.warning("could not send %s%r now; the sweep will", task.name, args, exc_info=True)
+        return False
+    return True
 
 
 def add_housekeeping(name: str, task: str, seconds: float, queue: str = CONTROL_QUEUE) -> None:

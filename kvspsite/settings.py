@@ -311,6 +311,22 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
+if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
+    # Tasks acknowledge late: a message whose worker died goes back to its queue once it has
+    # been unacknowledged for the visibility timeout. That must outlast the longest task (or a
+    # running task is delivered twice; tasks are idempotent, so only work is wasted), and it
+    # bounds how long a dead worker's task waits for another.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": _int_setting("KVSP_BROKER_VISIBILITY_TIMEOUT_S", 900),
+        "unacked_restore_interval": _int_setting("KVSP_BROKER_RESTORE_INTERVAL_S", 10),
+        "unacked_restore_throttle": 1,
+        # A broker that vanishes without closing the connection (a restart, a failover) is
+        # noticed instead of waited on forever.
+        "socket_timeout": 10,
+        "socket_connect_timeout": 5,
+        "health_check_interval": 10,
+    }
+    CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"socket_timeout": 10, "socket_connect_timeout": 5}
 if CELERY_RESULT_BACKEND.startswith("file://"):
     Path(CELERY_RESULT_BACKEND.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
 

@@ -124,6 +124,7 @@ class Directive(models.Model):
     status_url = models.CharField(max_length=2000, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     sent_at = models.DateTimeField(null=True, blank=True)
+    polled_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     send_error = models.TextField(blank=True, default="")
 

@@ -23,6 +23,7 @@ from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import PlacementRequest
 from kvspsite import metrics
+from kvspsite.celery import enqueue
 from placement import policy, pricing, services
 from placement.models import Directive, InstanceState
 from placement.selectors import candidates, matched_blocks
@@ -134,4 +135,4 @@ def _send_directive(instance, request, scope_id, compat_id, breakdown) -> str:
 def _enqueue_send(directive_id: int) -> None:
     from placement.tasks import send_directive
 
-    send_directive.delay(directive_id)
+    enqueue(send_directive, directive_id)

@@ -23,6 +23,7 @@ from kvsp import sharding
 from kvsp.problems import ProtocolError
 from kvsp.records import ShardMap as ShardMapRecord
 from kvsp.states import RESHARD_PHASES, ReshardEvent
+from kvspsite.celery import enqueue
 from kvspsite.peers import PeerUnreachable, call, peer_client
 from placement.models import ReshardOperation, ReshardPhase, ShardMap
 
@@ -111,7 +112,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
 def _drive_later(operation_id: int) -> None:
     from placement.tasks import drive_reshard
 
-    drive_reshard.delay(operation_id)
+    enqueue(drive_reshard, operation_id)
 
 
 def _decide(operation_id: int, event: ReshardEvent, reason: str = "") -> ReshardOperation:

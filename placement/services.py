@@ -21,6 +21,7 @@ from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from kvsp.records import InstanceStatusRecord
 from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from kvspsite.celery import enqueue
 from placement import policy
 from placement.models import Directive, DirectiveState, Instance, InstanceState, StatusSample
 
@@ -278,7 +279,7 @@ def do_change_state(name: str, requested: str, *, now=None) -> Instance:
 def _push_state_later(instance_id: int, version: int) -> None:
     from placement.tasks import push_state
 
-    push_state.delay(instance_id, version)
+    enqueue(push_state, instance_id, version)
 
 
 def do_mark_expired(*, now=None) -> list[int]:

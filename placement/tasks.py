@@ -6,9 +6,11 @@ returns early when the work is done, and calls one service or one peer request.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F, Q
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
@@ -84,9 +86,15 @@ def poll_directive(directive_id: int) -> str:
     if directive is None or directive.state != DirectiveState.PENDING:
         return "done"
     url = directive.status_url or f"{directive.instance.url}prefetch/{directive.directive}"
-    with peer_client() as client:
-        response = raise_for_problem(call(client, "GET", url))
-    state = DirectiveStateRecord.from_json(response.json())
+    try:
+        with peer_client() as client:
+            response = raise_for_problem(call(client, "GET", url))
+        state = DirectiveStateRecord.from_json(response.json())
+    except ProtocolError as error:
+        # The instance does not know the directive (it restarted, say) or answers nonsense.
+        _finish(directive, DirectiveState.FAILED, reason=error.detail)
+        return "failed"
+    Directive.objects.filter(pk=directive_id).update(polled_at=timezone.now())
     if state.state != DirectiveState.PENDING:
         _finish(directive, state.state, loaded=list(state.loaded), reason=state.reason or "")
         return state.state
@@ -128,6 +136,37 @@ def resume_reshards() -> int:
     return len(unfinished)
 
 
+@kvsp_task(name="placement.resend_pending", time_limit=120, max_retries=0)
+def resend_pending() -> int:
+    """Messages owed to instances whose task was lost (a broker that restarted empty, say):
+    every one is a row first, so the rows say what to send again. Sending twice is harmless.
+    """
+    now = timezone.now()
+    quiet = now - timedelta(seconds=10)
+    unsent = Directive.objects.filter(
+        state=DirectiveState.PENDING, sent_at__isnull=True, created_at__lt=quiet
+    ).values_list("pk", flat=True)
+    unpolled = (
+        Directive.objects.filter(state=DirectiveState.PENDING, sent_at__lt=quiet)
+        .filter(Q(polled_at__isnull=True) | Q(polled_at__lt=quiet))
+        .values_list("pk", flat=True)
+    )
+    unpushed = Instance.objects.filter(pushed_state_version__lt=F("state_version")).values_list(
+        "pk", "state_version"
+    )
+    count = 0
+    for directive_id in unsent:
+        send_directive.delay(directive_id)
+        count += 1
+    for directive_id in unpolled:
+        poll_directive.delay(directive_id)
+        count += 1
+    for instance_id, version in unpushed:
+        push_state.delay(instance_id, version)
+        count += 1
+    return count
+
+
 @kvsp_task(name="placement.detect_failures", time_limit=60, max_retries=0)
 def detect_failures() -> int:
     return len(services.do_mark_expired())
@@ -143,3 +182,4 @@ add_housekeeping(
 )
 add_housekeeping("prune-status-samples", "placement.prune_samples", 300.0)
 add_housekeeping("resume-reshards", "placement.resume_reshards", 10.0)
+add_housekeeping("resend-pending", "placement.resend_pending", 10.0)
