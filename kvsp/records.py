@@ -809,7 +809,8 @@ class InstanceStatusRecord(Record):
     ``links`` may be empty; a holder without a link is one the instance cannot be priced to
     fetch from. ``requested_state`` may only be "sleeping" (6.3: an instance may ask to sleep;
     waking is the PC's decision). ``compat_ids`` (DESIGN.md section 3) lists the compatibility
-    ids the instance serves; absent or empty, it serves any.
+    ids the instance serves; absent, it serves any, and an empty list says it serves none (a
+    storage-only holder, which reports its status for its links and liveness alone).
     """
 
     NAME: ClassVar[str] = "Instance Status Record"
@@ -858,7 +859,7 @@ class InstanceStatusRecord(Record):
 
     def serves(self, compat_id: str) -> bool:
         """Whether placement may consider the instance for ``compat_id`` (DESIGN.md 3)."""
-        return not self.compat_ids or compat_id in self.compat_ids
+        return self.compat_ids is None or compat_id in self.compat_ids
 
     @classmethod
     def _from_members(cls, obj: dict, limits: Limits) -> Self:

@@ -249,6 +249,11 @@ KVSP_PREFILL_TOKENS_PER_S = _int_setting("KVSP_PREFILL_TOKENS_PER_S", 10_000)
 KVSP_DECODE_TOKENS_PER_S = _int_setting("KVSP_DECODE_TOKENS_PER_S", 1_000)
 # Blocks of one prefetch directive loaded at the same time.
 KVSP_PREFETCH_PARALLEL = _int_setting("KVSP_PREFETCH_PARALLEL", 4)
+# With a non-deterministic sampler, output tokens released per acknowledged checkpoint (6.8).
+KVSP_CHECKPOINT_TOKENS = _int_setting("KVSP_CHECKPOINT_TOKENS", 8)
+# Holders (base URLs, comma-separated) that get a copy of every block a session's instance
+# computes, so that the session's KV cache survives the whole node (6.8).
+KVSP_SESSION_HOLDERS = tuple(env.list("KVSP_SESSION_HOLDERS", default=[]))
 
 
 def _links_setting(name: str) -> tuple:
@@ -274,9 +279,19 @@ def _links_setting(name: str) -> tuple:
 KVSP_LINKS = _links_setting("KVSP_LINKS")
 
 if KVSP_ROLE == "node":
-    for _name in ("KVSP_PREFILL_TOKENS_PER_S", "KVSP_DECODE_TOKENS_PER_S", "KVSP_BLOCK_TOKENS"):
+    for _name in (
+        "KVSP_PREFILL_TOKENS_PER_S",
+        "KVSP_DECODE_TOKENS_PER_S",
+        "KVSP_BLOCK_TOKENS",
+        "KVSP_CHECKPOINT_TOKENS",
+    ):
         if globals()[_name] < 1:
             raise ImproperlyConfigured(f"{_name} must be at least 1")
+    for _value in KVSP_SESSION_HOLDERS:
+        if not _value.startswith(("http://", "https://")) or not _value.endswith("/"):
+            raise ImproperlyConfigured(
+                f"KVSP_SESSION_HOLDERS: {_value!r} is not an http(s) base URL ending with '/'"
+            )
     for _name in ("KVSP_CONTROL_URL", "KVSP_PUBLIC_URL"):
         _value = globals()[_name]
         if _value:

@@ -45,7 +45,9 @@ class Instance(models.Model):
     kv_utilization = models.FloatField(default=0.0)
     prefill_tokens_per_s = models.FloatField(null=True, blank=True)
     decode_tokens_per_s = models.FloatField(null=True, blank=True)
-    reported_compat_ids = models.JSONField(default=list, blank=True)
+    # As the status record lists them: null when it lists none (serves any), [] when it says
+    # it serves none (a storage-only holder).
+    reported_compat_ids = models.JSONField(null=True, blank=True, default=None)
     requested_state = models.CharField(max_length=16, blank=True, default="")
     # The latest accepted Instance Status Record as received: the cost model reads it whole.
     last_status = models.JSONField(null=True, blank=True)
@@ -65,8 +67,11 @@ class Instance(models.Model):
         return self.name
 
     def serves(self, compat_id_hex: str) -> bool:
-        served = set(self.compat_ids) | set(self.reported_compat_ids)
-        return not served or compat_id_hex in served
+        """Registered and reported compat ids together; an instance that lists none at all
+        serves any (DESIGN.md section 3), one that reports an empty list serves none."""
+        if not self.compat_ids and self.reported_compat_ids is None:
+            return True
+        return compat_id_hex in set(self.compat_ids) | set(self.reported_compat_ids or ())
 
     @property
     def links(self) -> list[dict]:

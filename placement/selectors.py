@@ -116,7 +116,7 @@ def instance_json(instance: Instance, *, now=None) -> dict:
         "url": instance.url,
         "state": instance.state,
         "epoch": instance.epoch,
-        "compat_ids": sorted(set(instance.compat_ids) | set(instance.reported_compat_ids)),
+        "compat_ids": sorted(set(instance.compat_ids) | set(instance.reported_compat_ids or ())),
         "running": instance.running,
         "queued": instance.queued,
         "batch_size": instance.batch_size,

@@ -175,7 +175,9 @@ def _heartbeat(name: str, record: InstanceStatusRecord, now: datetime) -> Status
         record.kv_utilization,
         record.prefill_tokens_per_s,
         record.decode_tokens_per_s,
-        json_field.get_db_prep_value(list(record.compat_ids or ()), connection),
+        json_field.get_db_prep_value(
+            None if record.compat_ids is None else list(record.compat_ids), connection
+        ),
         record.ttl_ms,
         json_field.get_db_prep_value(record.to_json(), connection),
         stamp,
@@ -206,7 +208,7 @@ def _apply_figures(instance: Instance, record: InstanceStatusRecord, now: dateti
     instance.kv_utilization = record.kv_utilization
     instance.prefill_tokens_per_s = record.prefill_tokens_per_s
     instance.decode_tokens_per_s = record.decode_tokens_per_s
-    instance.reported_compat_ids = list(record.compat_ids or ())
+    instance.reported_compat_ids = None if record.compat_ids is None else list(record.compat_ids)
     instance.requested_state = record.requested_state or ""
     instance.ttl_ms = record.ttl_ms
     instance.last_status = record.to_json()

@@ -26,7 +26,7 @@ from kvsp.problems import ProtocolError
 from kvsp.records import SessionCheckpoint
 from kvsp.states import EpochRole, accept_epoch, next_session_epoch
 from placement import pricing
-from placement.models import Instance
+from placement.models import Instance, InstanceState
 from placement.selectors import candidates, matched_blocks
 from sessions.models import OutputToken, Session, SessionState
 
@@ -277,6 +277,12 @@ def resume_plan(session: Session, *, exclude=(), now=None):
     found = index_selectors.replica_rows_by_key(
         CONTROLLER, bytes(session.compat_id), bytes(session.scope_id), keys, now=now
     )
+    # A failed instance is no source: the PC has judged it gone, and one that is only paused
+    # would hold every load up until the resume's deadline.
+    gone = set(Instance.objects.filter(state=InstanceState.FAILED).values_list("url", flat=True))
+    if gone:
+        kept = {key: [row for row in rows if row.holder not in gone] for key, rows in found.items()}
+        found = {key: rows for key, rows in kept.items() if rows}
     matched = index_selectors.matched_prefix(keys, found)
     blocks = matched_blocks([found[key] for key in keys[:matched]])
     descriptor = CompatDescriptor.objects.filter(compat_id=session.compat_id).first()

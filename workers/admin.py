@@ -1,5 +1,6 @@
 """Admin for the nodes' rows (shared database): what each node holds, its leases, the
-directives it received, the withdrawals it still owes and the links it measured. Read-only:
+directives it received, the withdrawals it still owes, the links it measured and the sessions
+it serves. Read-only:
 a node's state changes only through its own API and worker."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from workers.models import (
     MeasuredLink,
     Node,
     PendingWithdrawal,
+    ServedSession,
     StoredBlock,
 )
 
@@ -66,3 +68,22 @@ class PendingWithdrawalAdmin(ReadOnlyAdmin):
 @admin.register(MeasuredLink)
 class MeasuredLinkAdmin(ReadOnlyAdmin):
     list_display = ("instance", "holder", "mbit_per_s", "rtt_us", "samples", "measured_at")
+
+
+@admin.register(ServedSession)
+class ServedSessionAdmin(ReadOnlyAdmin):
+    list_display = (
+        "session",
+        "epoch",
+        "instance",
+        "kind",
+        "state",
+        "produced",
+        "released",
+        "checkpoint_offset",
+        "received_at",
+        "finished_at",
+        "reason",
+    )
+    list_filter = ("instance", "kind", "state")
+    search_fields = ("session",)

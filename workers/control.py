@@ -1,7 +1,8 @@
 """What a node asks of the control plane, over the same HTTP API any holder would use (DESIGN.md
 section 3), with the node's token: publish and withdraw Replica Records (6.1), read the records
-of blocks it is about to fetch (6.2), read Compatibility Descriptors (4.1), and report its status
-(6.3).
+of blocks it is about to fetch (6.2), read Compatibility Descriptors (4.1), report its status
+(6.3), read scope keys (4.2), and publish the checkpoints and output tokens of the sessions it
+serves (6.8).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import threading
 import httpx
 from django.conf import settings
 
+from kvsp.blockkeys import scope_id as scope_id_of
 from kvsp.problems import ProtocolError
-from kvsp.records import InstanceStatusRecord, ReplicaRecord
+from kvsp.records import InstanceStatusRecord, ReplicaRecord, SessionCheckpoint
 from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 
 CONTROL_TIMEOUT = httpx.Timeout(10.0, connect=2.0)
@@ -132,3 +134,54 @@ def geometry(compat_id: bytes):
     with _geometries_lock:
         _geometries[compat_id] = (time.monotonic() + _GEOMETRY_MISS_S, value)
     return value
+
+
+_scope_keys: dict[bytes, bytes] = {}
+_scope_keys_lock = threading.Lock()
+
+
+def scope_key(scope_id: bytes) -> bytes:
+    """The scope key of ``scope_id`` (4.2), from ``GET CP scopes/{scope}/key`` once per process:
+    a scope's key never changes (its id is a digest of it). kvsp-not-found when the node's
+    principal is not one of the scope's."""
+    with _scope_keys_lock:
+        known = _scope_keys.get(scope_id)
+    if known is not None:
+        return known
+    response = raise_for_problem(call(client(), "GET", f"{_base()}scopes/{scope_id.hex()}/key"))
+    key = bytes.fromhex(str(response.json().get("scope_key", "")))
+    if scope_id_of(key) != scope_id:
+        raise ProtocolError("kvsp-upstream-error", "the scope key does not hash to the scope id")
+    with _scope_keys_lock:
+        _scope_keys[scope_id] = key
+    return key
+
+
+def put_checkpoint(record: SessionCheckpoint) -> int:
+    """PUT sessions/{session}/checkpoint (6.8); the output_offset the PC acknowledges."""
+    response = raise_for_problem(
+        call(
+            client(),
+            "PUT",
+            f"{_base()}sessions/{record.session}/checkpoint",
+            json=record.to_json(),
+        )
+    )
+    offset = response.json().get("output_offset")
+    if type(offset) is not int:
+        raise ProtocolError("kvsp-upstream-error", "the checkpoint answer carries no output_offset")
+    return offset
+
+
+def post_output(session: str, tokens: list[dict]) -> dict:
+    """POST sessions/{session}/output: tokens with their index and the session epoch (6.8)."""
+    body = tokens[0] if len(tokens) == 1 else tokens
+    return raise_for_problem(
+        call(client(), "POST", f"{_base()}sessions/{session}/output", json=body)
+    ).json()
+
+
+def delivered_indices(session: str) -> set[int]:
+    """The output indices the front end holds for the session (6.8)."""
+    response = raise_for_problem(call(client(), "GET", f"{_base()}sessions/{session}/output"))
+    return {int(token["index"]) for token in response.json().get("tokens", [])}

@@ -1,5 +1,6 @@
 """Retrieving a block from a holder and verifying it (spec 6.6, 6.7): the client side of a
-prefetch, and of anything else that reads blocks (the benchmark uses it as is).
+prefetch, and of anything else that reads blocks (the benchmark uses it as is); and storing a
+block at a holder (6.7), for the copies a session's instance keeps elsewhere.
 
 The container arrives in ascending layer order (4.3). Each layer is checked against the layer
 digest of the source's Replica Record the moment it completes, the whole representation against
@@ -18,7 +19,13 @@ import httpx
 from kvsp.container import Container, ContainerStreamReader, verify_replica_digest
 from kvsp.problems import ProtocolError, problem_name
 from kvsp.records import LeaseGrant, LeaseRequest, ReplicaRecord
-from kvsp.reprdigest import ALGORITHM, ReprDigestHasher, parse_repr_digest, verify_repr_digest
+from kvsp.reprdigest import (
+    ALGORITHM,
+    ReprDigestHasher,
+    parse_repr_digest,
+    repr_digest_header,
+    verify_repr_digest,
+)
 
 # The media type of the KV Block Container (spec 11.1). This module needs nothing of Django,
 # so that any client can fetch and verify blocks with it.
@@ -240,3 +247,35 @@ def fetch_block(
         first_byte_s=first_byte_s,
         elapsed_s=time.perf_counter() - started,
     )
+
+
+def store_block(
+    client: httpx.Client,
+    holder: str,
+    ids: tuple[bytes, bytes, bytes],
+    octets: bytes,
+    sha256: bytes,
+) -> bool:
+    """PUT the container ``octets`` on the block resource at ``holder`` with If-None-Match: *
+    (6.7). True when the holder stored it, False when it already had a replica (412: the key
+    names the prefix, so its copy serves as well); ProtocolError for a refusal."""
+    compat_id, scope_id, block_key = ids
+    url = f"{holder}blocks/{compat_id.hex()}/{scope_id.hex()}/{block_key.hex()}"
+    try:
+        response = client.put(
+            url,
+            content=octets,
+            headers={
+                "Content-Type": KVSP_BLOCK,
+                "If-None-Match": "*",
+                "Repr-Digest": repr_digest_header(sha256),
+            },
+            timeout=30.0,
+        )
+    except httpx.HTTPError as exc:
+        raise _transport(exc, f"PUT {url}", None) from exc
+    if response.status_code == 412:
+        return False
+    if response.status_code != 201:
+        raise _problem(response, f"PUT {url}")
+    return True

@@ -1,6 +1,6 @@
 """Node state (DESIGN.md sections 1 and 2): the instance itself, its tier store catalog, leases
-(spec 6.6), prefetch directives (6.5), withdrawals still owed to the Index Service (6.1) and the
-links it measured (6.3).
+(spec 6.6), prefetch directives (6.5), withdrawals still owed to the Index Service (6.1), the
+links it measured (6.3) and the sessions it serves (6.8).
 
 Every table carries the instance name: the roles share one database in the reference deployment,
 and so do the nodes, so each node reads and writes only the rows of its own name. Identities and
@@ -39,6 +39,10 @@ class Node(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     last_report_at = models.DateTimeField(null=True, blank=True)
     last_report_error = models.TextField(blank=True, default="")
+    # What the worker's engine serves, once it is loaded: {"compat_id", "block_tokens",
+    # "vocab_size", "max_positions"}. The HTTP process checks session requests against it
+    # without loading a model of its own; null while the engine loads, and on a holder.
+    engine = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -222,3 +226,72 @@ class MeasuredLink(models.Model):
 
     def __str__(self) -> str:
         return f"{self.instance} → {self.holder}"
+
+
+class SessionKind(models.TextChoices):
+    GENERATE = "generate"  # POST generate: a new session, epoch 1
+    RESUME = "resume"  # POST sessions/{id}/resume from the PC (6.8)
+
+
+class ServedSessionState(models.TextChoices):
+    """Transitions follow ``workers.sessions.SESSION_STATES``."""
+
+    ACCEPTED = "accepted"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    # The PC answered with a higher epoch (or another instance): it is served elsewhere now.
+    SUPERSEDED = "superseded"
+    FAILED = "failed"
+
+
+class ServedSession(models.Model):
+    """A session this instance serves under one session epoch (6.8): a row first, then a task
+    on the instance's queue. The worker writes its progress back at every checkpoint.
+
+    ``output_offset`` is the first output index this epoch labels; ``produced`` counts the
+    session's output tokens sampled so far (from index 0), ``released`` those posted to the
+    front end, ``checkpoint_offset`` the offset the PC last acknowledged.
+    """
+
+    instance = models.CharField(max_length=100)
+    session = models.UUIDField()
+    epoch = models.PositiveIntegerField()
+    kind = models.CharField(max_length=16, choices=SessionKind.choices)
+    scope_id = models.BinaryField(max_length=16)
+    compat_id = models.BinaryField(max_length=32)
+    request_ref = models.CharField(max_length=1024, blank=True, default="")
+    body = models.JSONField()
+    state = models.CharField(
+        max_length=16, choices=ServedSessionState.choices, default=ServedSessionState.ACCEPTED
+    )
+    reason = models.TextField(blank=True, default="")
+    # The prefetch directive a resume loads its blocks with, when it lists any.
+    directive = models.ForeignKey(
+        Directive, null=True, blank=True, on_delete=models.SET_NULL, related_name="sessions"
+    )
+    # The incarnation (node epoch, 6.3) whose worker ran it.
+    node_epoch = models.BigIntegerField(default=0)
+    output_offset = models.PositiveIntegerField(default=0)
+    produced = models.PositiveIntegerField(default=0)
+    released = models.PositiveIntegerField(default=0)
+    checkpoint_offset = models.PositiveIntegerField(default=0)
+    checkpoints = models.PositiveIntegerField(default=0)
+    loaded_blocks = models.PositiveIntegerField(default=0)
+    recomputed_tokens = models.PositiveIntegerField(default=0)
+    published_blocks = models.PositiveIntegerField(default=0)
+    received_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    first_token_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["instance", "session", "epoch"], name="served_session_epoch"
+            )
+        ]
+        indexes = [models.Index(fields=["instance", "state"])]
+        ordering = ["-received_at"]
+
+    def __str__(self) -> str:
+        return f"{self.session} epoch {self.epoch} at {self.instance} ({self.state})"

@@ -69,8 +69,13 @@ class _Failure:
 class DirectiveRun:
     """One execution of a directive row; safe to run again (held blocks count as loaded)."""
 
-    def __init__(self, row: Directive, device_tier: DeviceTier | None = None):
+    def __init__(
+        self, row: Directive, device_tier: DeviceTier | None = None, *, admitted: bool = False
+    ):
         self.row = row
+        # Loading for a session the instance admitted already (a resume, 6.8): it completes
+        # even when the instance drains meanwhile (6.3).
+        self.admitted = admitted
         self.directive = PrefetchDirective.from_json(row.body)
         self.name = row.instance
         self.compat_id = bytes(row.compat_id)
@@ -92,7 +97,7 @@ class DirectiveRun:
 
     def run(self) -> str:
         node = Node.objects.filter(name=self.name).first()
-        if node is not None and node.state != NodeState.ACTIVE:
+        if not self.admitted and node is not None and node.state != NodeState.ACTIVE:
             return self.finish(
                 DirectiveEvent.LOAD_FAILED, f"the instance is not active ({node.state})"
             )
@@ -322,8 +327,11 @@ class DirectiveRun:
         return row.state
 
 
-def run_directive(directive_pk: int, device_tier: DeviceTier | None = None) -> str:
-    """Carry out a directive row; a directive already finished is left as it is."""
+def run_directive(
+    directive_pk: int, device_tier: DeviceTier | None = None, *, admitted: bool = False
+) -> str:
+    """Carry out a directive row; a directive already finished is left as it is. ``admitted``:
+    the blocks of a session the instance admitted, loaded whatever its state is now."""
     row = Directive.objects.filter(pk=directive_pk).first()
     if row is None:
         return "gone"
@@ -333,7 +341,7 @@ def run_directive(directive_pk: int, device_tier: DeviceTier | None = None) -> s
         Directive.objects.filter(pk=directive_pk, started_at__isnull=True).update(
             started_at=timezone.now()
         )
-    run = DirectiveRun(row, device_tier)
+    run = DirectiveRun(row, device_tier, admitted=admitted)
     try:
         return run.run()
     except RETRYABLE:

@@ -13,7 +13,9 @@ first), and starts two threads:
 
 An engine is loaded when ``KVSP_MODEL_DIR`` names a model; without one the node is a
 storage-only holder. The engine's prefill and decode rates are measured once it is loaded and
-reported instead of the configured ones.
+reported instead of the configured ones, and what it serves is written to the node's row, for
+the HTTP process to admit sessions by. Sessions a previous incarnation was serving when it
+stopped are marked failed: the PC resumes them elsewhere.
 """
 
 from __future__ import annotations
@@ -102,9 +104,19 @@ class NodeRuntime:
             if self._engine is None:
                 from workers.engines.reference import ReferenceEngine
 
-                self._engine = ReferenceEngine(
+                engine = ReferenceEngine(
                     settings.KVSP_MODEL_DIR, block_tokens=settings.KVSP_BLOCK_TOKENS
                 )
+                services.do_note_engine(
+                    self.name,
+                    {
+                        "compat_id": engine.compat_id,
+                        "block_tokens": engine.block_tokens,
+                        "vocab_size": engine.vocab_size,
+                        "max_positions": engine.max_positions,
+                    },
+                )
+                self._engine = engine
             return self._engine
 
     def measure_engine(self, decode_steps: int = 32) -> dict:
@@ -142,9 +154,11 @@ class NodeRuntime:
         }
 
     @property
-    def compat_ids(self) -> tuple[str, ...] | None:
+    def compat_ids(self) -> tuple[str, ...]:
+        """What the instance serves: its engine's Compatibility ID, or none at all for a
+        storage-only holder (an empty list, so that placement never picks it)."""
         engine = self._engine
-        return (engine.compat_id,) if engine is not None else None
+        return (engine.compat_id,) if engine is not None else ()
 
     # -- start and stop ----------------------------------------------------------------------
 
@@ -152,7 +166,12 @@ class NodeRuntime:
         from workers.status import Keeper, StatusReporter
 
         services.ensure_node(self.name)
+        # The HTTP process admits sessions only once this worker's engine says what it serves.
+        services.do_note_engine(self.name, None)
         self.epoch = services.do_begin_incarnation(self.name)
+        interrupted = services.do_fail_interrupted_sessions(self.name, self.epoch)
+        if interrupted:
+            log.warning("node %s: %d sessions were cut short by a restart", self.name, interrupted)
         services.do_reset_device_residency(self.name)
         checked = services.do_check_tier_store(self.name)
         if checked["lost"]:

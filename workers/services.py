@@ -13,6 +13,7 @@ left describing a state the node has left.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import time
@@ -30,7 +31,7 @@ from index.authz import may_read_scope
 from kvsp.container import Container
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirective
-from kvsp.registries import lookup_codec
+from kvsp.registries import RAW_CODEC, lookup_codec
 from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
 from kvspsite.celery import instance_queue
 from kvspsite.peers import PeerUnreachable
@@ -42,6 +43,8 @@ from workers.models import (
     Node,
     NodeState,
     PendingWithdrawal,
+    ServedSession,
+    ServedSessionState,
     StoredBlock,
 )
 
@@ -267,6 +270,68 @@ class BlockFields:
         )
 
 
+def _stored_block(name: str, ids: BlockIds, fields: BlockFields, tier: str, now) -> StoredBlock:
+    return StoredBlock(
+        instance=name,
+        compat_id=ids[0],
+        scope_id=ids[1],
+        block_key=ids[2],
+        codec=fields.codec,
+        size=fields.size,
+        token_count=fields.token_count,
+        layer_count=fields.layer_count,
+        digest=selectors.replica_digest_octets(fields.layer_digests),
+        layer_digests=b"".join(fields.layer_digests),
+        repr_sha256=fields.repr_sha256,
+        tier=tier,
+        stored_at=now,
+        last_access=now,
+        refresh_due_at=now,
+    )
+
+
+def _place_locked(
+    name: str,
+    ids: BlockIds,
+    spool: Path,
+    fields: BlockFields,
+    *,
+    exists_ok: bool,
+    device: Callable[[], tiers.DeviceAdmission] | None,
+    placed: list[Path],
+) -> tuple[StoredBlock, bool]:
+    """Place one received block, inside a transaction that holds the node's lock; the file
+    it puts in place is added to ``placed`` (the caller removes it if the transaction fails)."""
+    existing = selectors.stored_block(name, *ids)
+    if existing is not None:
+        if exists_ok:
+            return existing, False
+        raise ProtocolError(
+            "kvsp-precondition-failed",
+            "this holder already has a replica of the block and keeps its copy",
+        )
+    now = timezone.now()
+    plan = _plan_room(name, fields.size, now)
+    # Files first, and the Index Service last: a failure before the evictions leaves every
+    # record as it was.
+    for victim in plan.demote:
+        _demote(victim)
+    tier = plan.tier
+    path = tiers.block_path(tier, name, ids)
+    tiers.place_file(spool, path)
+    placed.append(path)
+    for victim in plan.evict:
+        _evict(victim, "evicted for room (least recently used, unleased)", now)
+    block = _stored_block(name, ids, fields, tier, now)
+    block.save(force_insert=True)
+    PendingWithdrawal.objects.filter(
+        instance=name, compat_id=ids[0], scope_id=ids[1], block_key=ids[2]
+    ).delete()
+    if device is not None:
+        _admit_to_device(name, block, device())
+    return block, True
+
+
 def _admit(
     name: str,
     ids: BlockIds,
@@ -281,58 +346,21 @@ def _admit(
     An existing replica of the key stays as it is (6.7): ``exists_ok`` returns it, otherwise
     the answer is 412. The spool file is gone afterwards either way.
     """
-    placed: Path | None = None
+    placed: list[Path] = []
     try:
         with transaction.atomic():
             _lock_node(name)
-            existing = selectors.stored_block(name, *ids)
-            if existing is not None:
-                if exists_ok:
-                    return existing, False
-                raise ProtocolError(
-                    "kvsp-precondition-failed",
-                    "this holder already has a replica of the block and keeps its copy",
-                )
-            now = timezone.now()
-            plan = _plan_room(name, fields.size, now)
-            # Files first, and the Index Service last: a failure before the evictions leaves
-            # every record as it was.
-            for victim in plan.demote:
-                _demote(victim)
-            tier = plan.tier
-            placed = tiers.block_path(tier, name, ids)
-            tiers.place_file(spool, placed)
-            for victim in plan.evict:
-                _evict(victim, "evicted for room (least recently used, unleased)", now)
-            block = StoredBlock.objects.create(
-                instance=name,
-                compat_id=ids[0],
-                scope_id=ids[1],
-                block_key=ids[2],
-                codec=fields.codec,
-                size=fields.size,
-                token_count=fields.token_count,
-                layer_count=fields.layer_count,
-                digest=selectors.replica_digest_octets(fields.layer_digests),
-                layer_digests=b"".join(fields.layer_digests),
-                repr_sha256=fields.repr_sha256,
-                tier=tier,
-                stored_at=now,
-                last_access=now,
-                refresh_due_at=now,
+            block, created = _place_locked(
+                name, ids, spool, fields, exists_ok=exists_ok, device=device, placed=placed
             )
-            PendingWithdrawal.objects.filter(
-                instance=name, compat_id=ids[0], scope_id=ids[1], block_key=ids[2]
-            ).delete()
-            if device is not None:
-                _admit_to_device(name, block, device())
-            _publish_on_commit(block)
-            placed = None
-            return block, True
+            if created:
+                _publish_on_commit(block)
+        placed.clear()
+        return block, created
     finally:
         tiers.unlink_quietly(spool)
-        if placed is not None:
-            tiers.unlink_quietly(placed)
+        for path in placed:
+            tiers.unlink_quietly(path)
 
 
 def _admit_to_device(name: str, block: StoredBlock, admission) -> None:
@@ -370,6 +398,83 @@ def do_store_block(ids: BlockIds, spool: Path, container: Container, repr_sha256
     fields = BlockFields.of(container, repr_sha256, threads=2)
     block, _ = _admit(selectors.node_name(), ids, spool, fields, exists_ok=False)
     return block
+
+
+def do_store_exported(blocks: list[tuple[BlockIds, object]], token_count: int) -> list[int]:
+    """Admit blocks of ``token_count`` tokens the instance's engine exported (each an
+    ``EncodedContainer`` of every layer, codec raw), in one transaction under one lock; a
+    replica already held stays as it is. Returns the ids of the rows newly stored, whose
+    records the caller publishes (``publish_current``), so that many publish at once."""
+    name = selectors.node_name()
+    prepared = []
+    for ids, encoded in blocks:
+        hasher = hashlib.sha256()
+        for part in encoded.parts:
+            hasher.update(part)
+        fields = BlockFields(
+            codec=RAW_CODEC,
+            size=encoded.size,
+            token_count=token_count,
+            layer_count=len(encoded.layer_digests),
+            layer_digests=list(encoded.layer_digests),
+            repr_sha256=hasher.digest(),
+        )
+        prepared.append((ids, tiers.write_spool(name, encoded.parts), fields))
+    placed: list[Path] = []
+    try:
+        with transaction.atomic():
+            _lock_node(name)
+            stored = _place_many_locked(name, prepared, placed)
+        placed.clear()
+        return stored
+    finally:
+        for _, spool, _ in prepared:
+            tiers.unlink_quietly(spool)
+        for path in placed:
+            tiers.unlink_quietly(path)
+
+
+def _place_many_locked(name: str, prepared: list, placed: list[Path]) -> list[int]:
+    """Place received blocks under the node's lock (see ``_place_locked``); the ids of the rows
+    newly stored. When they all fit in the host tier as it is, nothing moves or leaves, and
+    they go in with a few statements in all rather than a few each."""
+    held = {
+        (bytes(compat_id), bytes(scope_id), bytes(key))
+        for compat_id, scope_id, key in StoredBlock.objects.filter(
+            instance=name, block_key__in=[ids[2] for ids, _, _ in prepared]
+        ).values_list("compat_id", "scope_id", "block_key")
+    }
+    fresh, seen = [], set()
+    for item in prepared:
+        if item[0] not in held and item[0] not in seen:
+            seen.add(item[0])
+            fresh.append(item)
+    size = sum(fields.size for _, _, fields in fresh)
+    if selectors.used_octets(name, tiers.HOST) + size > tiers.capacity(tiers.HOST):
+        stored = []
+        for ids, spool, fields in fresh:
+            block, created = _place_locked(
+                name, ids, spool, fields, exists_ok=True, device=None, placed=placed
+            )
+            if created:
+                stored.append(block.pk)
+        return stored
+    now = timezone.now()
+    rows = []
+    for ids, spool, fields in fresh:
+        path = tiers.block_path(tiers.HOST, name, ids)
+        tiers.place_file(spool, path)
+        placed.append(path)
+        rows.append(_stored_block(name, ids, fields, tiers.HOST, now))
+    created = StoredBlock.objects.bulk_create(rows)
+    for compat_id, scope_id in {(ids[0], ids[1]) for ids, _, _ in fresh}:
+        PendingWithdrawal.objects.filter(
+            instance=name,
+            compat_id=compat_id,
+            scope_id=scope_id,
+            block_key__in=[ids[2] for ids, _, _ in fresh if ids[:2] == (compat_id, scope_id)],
+        ).delete()
+    return [row.pk for row in created]
 
 
 def do_store_fetched(
@@ -658,10 +763,23 @@ def do_apply_pc_state(name: str, state: str) -> Node:
     return node
 
 
+# The sessions an instance has admitted and not finished (6.3: a draining instance completes
+# them before it sleeps).
+IN_FLIGHT_SESSION_STATES = (ServedSessionState.ACCEPTED, ServedSessionState.RUNNING)
+
+
 def do_enter_sleep_if_drained(name: str, in_flight: int) -> Node:
-    """A draining instance with no work in flight sleeps, and says so in its next report."""
+    """A draining instance with no work in flight sleeps, and says so in its next report.
+
+    ``in_flight`` counts the worker's tasks; the sessions the instance admitted and has not
+    finished count too, whether their task is running or still on its way.
+    """
     with transaction.atomic():
         node = _lock_node(name)
+        if node.state == NodeState.DRAINING and in_flight == 0:
+            in_flight = ServedSession.objects.filter(
+                instance=name, state__in=IN_FLIGHT_SESSION_STATES
+            ).count()
         if node.state == NodeState.DRAINING and in_flight == 0:
             node.state = INSTANCE_LIFECYCLE.next_state(node.state, InstanceEvent.DRAINED)
             node.state_changed_at = timezone.now()
@@ -679,6 +797,24 @@ def do_begin_incarnation(name: str, *, now_ms: int | None = None) -> int:
         node.started_at = timezone.now()
         node.save(update_fields=["epoch", "started_at"])
     return node.epoch
+
+
+def do_note_engine(name: str, engine: dict | None) -> None:
+    """Record what the worker's engine serves (None while it loads), for the HTTP process."""
+    ensure_node(name)
+    Node.objects.filter(name=name).update(engine=engine)
+
+
+def do_fail_interrupted_sessions(name: str, node_epoch: int) -> int:
+    """Sessions an earlier incarnation was running when it stopped are over here: the PC
+    resumes them elsewhere, since the restart raised the instance's epoch (6.3, 6.8)."""
+    return ServedSession.objects.filter(
+        instance=name, state=ServedSessionState.RUNNING, node_epoch__lt=node_epoch
+    ).update(
+        state=ServedSessionState.FAILED,
+        reason="the instance's worker stopped while serving it",
+        finished_at=timezone.now(),
+    )
 
 
 def do_note_report(name: str, error: str = "") -> None:

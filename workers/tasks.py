@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from kvsp.problems import ProtocolError
 from kvspsite.celery import kvsp_task
+from workers import generation, runtime
 from workers import prefetch as prefetching
-from workers import runtime
 
 
 @kvsp_task(name="workers.prefetch", max_retries=3, time_limit=900)
@@ -24,3 +24,24 @@ def measure_engine(decode_steps: int = 32) -> dict:
     if node is None:
         raise ProtocolError("kvsp-unavailable", "this worker does not serve a node's queue")
     return node.measure_engine(decode_steps)
+
+
+@kvsp_task(name="workers.serve_session", max_retries=0, autoretry_for=(), time_limit=24 * 3600)
+def serve_session(session_pk: int) -> str:
+    """Serve a session the instance admitted (spec 6.8): a generation or a resume. Never run
+    twice: a session cut short here is the PC's to resume elsewhere."""
+    return generation.serve(session_pk, runtime.current())
+
+
+@kvsp_task(name="workers.prompt_logits", ignore_result=False, max_retries=0, time_limit=120)
+def prompt_logits(scope_id: str, compat_id: str, tokens: list, recompute: bool = False) -> dict:
+    """The next-token logits of a prompt as this instance would serve it (held blocks imported
+    from the tier store, the rest computed; all of it computed with ``recompute``): an
+    operator's check that cached blocks serve a prompt as computing it does."""
+    return generation.prompt_logits(
+        runtime.current(),
+        bytes.fromhex(scope_id),
+        bytes.fromhex(compat_id),
+        tokens,
+        recompute=recompute,
+    )

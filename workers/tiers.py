@@ -377,7 +377,13 @@ class TierStore:
                     return held
                 return held[0].to(device), held[1].to(device)
         mapped = MappedContainer(stored_path(block), max_layers=block.layer_count)
-        pair = tuple(
+        pair = self._mapped_layer(mapped, block, layer, geometry, device)
+        mapped.close()
+        return pair
+
+    @staticmethod
+    def _mapped_layer(mapped: MappedContainer, block, layer: int, geometry: Geometry, device):
+        return tuple(
             tensor_from_section(
                 section,
                 geometry.kv_dtype,
@@ -388,5 +394,47 @@ class TierStore:
             )
             for section in mapped.container.layer(layer)
         )
-        mapped.close()
-        return pair
+
+    def _open_current(self, block: StoredBlock) -> MappedContainer:
+        """The block's serving copy, mapped; read from the row again once when the file has
+        moved to another tier since ``block`` was read."""
+        try:
+            return MappedContainer(stored_path(block), max_layers=block.layer_count)
+        except FileNotFoundError:
+            from workers.models import StoredBlock
+
+            fresh = StoredBlock.objects.filter(pk=block.pk).first()
+            if fresh is None or fresh.tier == block.tier:
+                raise
+            return MappedContainer(stored_path(fresh), max_layers=fresh.layer_count)
+
+    def layers_in_order(
+        self,
+        blocks: list[StoredBlock],
+        geometry: Geometry,
+        device: str | torch.device | None = None,
+    ):
+        """(layer, index, K, V) for every layer of every block in ``blocks``, layer 0 of all
+        blocks first, then layer 1, and so on: the order in which a forward pass over the
+        tokens after them needs them (4.3). Device-tier copies are used where they exist;
+        each serving copy is mapped once."""
+        mapped: dict[int, MappedContainer] = {}
+        try:
+            for layer in range(geometry.layers):
+                for index, block in enumerate(blocks):
+                    held = (
+                        self.device_tier.layer(block.ids, layer)
+                        if self.device_tier is not None
+                        else None
+                    )
+                    if held is not None:
+                        k, v = held if device is None else (held[0].to(device), held[1].to(device))
+                        yield layer, index, k, v
+                        continue
+                    if index not in mapped:
+                        mapped[index] = self._open_current(block)
+                    k, v = self._mapped_layer(mapped[index], block, layer, geometry, device)
+                    yield layer, index, k, v
+        finally:
+            for container in mapped.values():
+                container.close()

@@ -546,8 +546,9 @@ def test_status_record_accepts():
 def test_status_record_compat_ids():
     plain = InstanceStatusRecord.from_json(status_doc())
     assert plain.compat_ids is None and plain.serves(COMPAT) and plain.serves(K1)
+    # A storage-only holder lists none: it serves nothing.
     empty = InstanceStatusRecord.from_json(dict(status_doc(), compat_ids=[]))
-    assert empty.serves(K1)
+    assert not empty.serves(K1) and not empty.serves(COMPAT)
     listed = InstanceStatusRecord.from_json(dict(status_doc(), compat_ids=[COMPAT]))
     assert listed.serves(COMPAT) and not listed.serves(K1)
     assert listed.to_json()["compat_ids"] == [COMPAT]

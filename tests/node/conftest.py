@@ -6,6 +6,9 @@ all on the test database and the Redis broker.
 - ``n1`` and ``n2`` are ordinary nodes; ``n2`` runs the reference engine.
 - ``n3`` has tiny tiers (two blocks of host, two of disk, half a block of device) and a lease
   quota of two blocks, for the eviction and quota tests.
+- The storage-only holders ``n1`` and ``n3`` report a prefill and decode rate of one token a
+  second, so that placement and failover (which price every instance that lists no compat id)
+  always prefer an instance with an engine.
 
 The data the cluster needs (scopes, principals, instances, the descriptor) is committed
 outside any test transaction, so that every process sees it; the tests run in transactions of
@@ -47,6 +50,7 @@ class Node:
     token: str
     server: Server | None = None
     worker: Worker | None = None
+    http_workers: int = 2
 
     @property
     def url(self) -> str:
@@ -57,7 +61,13 @@ class Node:
         return f"ii.{self.name}"
 
     def processes(self) -> list[Process]:
-        self.server = Server(f"{self.name}-http", self.env, self.log_dir, port=self.port)
+        self.server = Server(
+            f"{self.name}-http",
+            self.env,
+            self.log_dir,
+            port=self.port,
+            workers=self.http_workers,
+        )
         self.worker = Worker(
             f"{self.name}-worker",
             self.env,
@@ -156,8 +166,11 @@ def cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path_fact
                     f"node-{name}", scope_ids=both, holder_urls=[urls[key]], instance=name
                 ).token
 
-        cp = Server(f"cp-{run}", role_env(), log_dir, workers=2)
-        cp_worker = Worker(f"cp-worker-{run}", role_env(), log_dir, queues=["control"])
+        # The control plane presents the controller's token to nodes (PUT state, directives,
+        # resumes).
+        cp_env = role_env(KVSP_TOKEN=tokens["controller"])
+        cp = Server(f"cp-{run}", cp_env, log_dir, workers=2)
+        cp_worker = Worker(f"cp-worker-{run}", cp_env, log_dir, queues=["control"])
         for key, name in names.items():
             env = role_env(
                 KVSP_ROLE="node",
@@ -173,6 +186,8 @@ def cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path_fact
             )
             if key == "n2":
                 env["KVSP_MODEL_DIR"] = str(model_dir)
+            else:
+                env.update(KVSP_PREFILL_TOKENS_PER_S="1", KVSP_DECODE_TOKENS_PER_S="1")
             if key == "n3":
                 env.update(TINY)
             nodes[key] = Node(name, ports[key], env, log_dir, shm_dir, disk_dir, tokens[key])

@@ -8,11 +8,19 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from workers.models import Directive, MeasuredLink, Node, StoredBlock
+from workers.models import Directive, MeasuredLink, Node, ServedSession, StoredBlock
 
 pytestmark = pytest.mark.django_db
 
-MODELS = ("node", "storedblock", "lease", "directive", "pendingwithdrawal", "measuredlink")
+MODELS = (
+    "node",
+    "storedblock",
+    "lease",
+    "directive",
+    "pendingwithdrawal",
+    "measuredlink",
+    "servedsession",
+)
 
 
 def test_admin_lists_node_rows_and_offers_no_changes():
@@ -46,6 +54,16 @@ def test_admin_lists_node_rows_and_offers_no_changes():
     )
     MeasuredLink.objects.create(
         instance="ii1", holder="http://h/kvsp/", mbit_per_s=1.0, rtt_us=1.0, measured_at=now
+    )
+    ServedSession.objects.create(
+        instance="ii1",
+        session="6f1d0a9e-2c55-4d7e-9a0e-5b7f2f9f6a11",
+        epoch=1,
+        kind="generate",
+        scope_id=b"\x02" * 16,
+        compat_id=b"\x01" * 32,
+        body={},
+        received_at=now,
     )
     client = Client()
     client.force_login(User.objects.create_superuser("op", "op@example.test", "pw"))

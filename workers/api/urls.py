@@ -14,4 +14,6 @@ urlpatterns = [
     path("prefetch", views.PrefetchView.as_view(), name="prefetch"),
     path("prefetch/<uuid:directive>", views.DirectiveView.as_view(), name="directive"),
     path("state", views.StateView.as_view(), name="state"),
+    path("generate", views.GenerateView.as_view(), name="generate"),
+    path("sessions/<str:session>/resume", views.ResumeView.as_view(), name="resume"),
 ]

@@ -1,10 +1,11 @@
 """HTTP surface of a node (DESIGN.md section 3): blocks (spec 6.7), leases (6.6), prefetch
-directives (6.5) and the instance's state (6.3). Views validate and translate HTTP; the services
-do the work.
+directives (6.5), the instance's state (6.3), session resume (6.8), and this implementation's
+own generation request. Views validate and translate HTTP; the services do the work.
 
 Who may call what: blocks and leases need a principal authorized for the scope (a controller
 principal reads every scope), and a scope the caller may not read answers exactly like a miss;
-prefetch and state are the Placement Controller's alone.
+prefetch, state and resume are the Placement Controller's alone; generate is the controller's or
+a principal's of the prompt's scope.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvspsite.api import (
     PlainJSONRenderer,
     ReceivedContainer,
 )
-from workers import selectors, services, serving, tiers
+from workers import selectors, services, serving, sessions, tiers
 from workers.models import Directive
 
 _LAYERS = re.compile(r"(\d{1,10})-(\d{1,10})")
@@ -207,3 +208,37 @@ class StateView(APIView):
         _require_controller(request.user)
         node = services.do_set_state(_object(request.data).get("state"))
         return Response({"state": node.state})
+
+
+class GenerateView(APIView):
+    """POST generate: a new session from a prompt (this implementation's request, not the
+    spec's). 202 with the session's resource at the control plane as Location, where its
+    checkpoints and output tokens appear (6.8)."""
+
+    def post(self, request):
+        row = sessions.do_accept_generation(request.user, request.data)
+        session_url = f"{settings.KVSP_CONTROL_URL}sessions/{row.session}"
+        return Response(
+            {
+                "session": str(row.session),
+                "epoch": row.epoch,
+                "state": row.state,
+                "session_url": session_url,
+                "output_url": f"{session_url}/output",
+            },
+            status=status.HTTP_202_ACCEPTED,
+            headers={"Location": session_url},
+        )
+
+
+class ResumeView(APIView):
+    """POST sessions/{session}/resume (6.8): the PC hands this instance a failed instance's
+    session under a new epoch. 202 once admitted; the worker loads, recomputes and goes on."""
+
+    def post(self, request, session: str):
+        _require_controller(request.user)
+        row = sessions.do_accept_resume(session, request.data)
+        return Response(
+            {"session": str(row.session), "epoch": row.epoch, "state": row.state},
+            status=status.HTTP_202_ACCEPTED,
+        )

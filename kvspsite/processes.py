@@ -1,0 +1,188 @@
+"""Role processes on loopback: gunicorn servers, Celery workers and beat, each with its output
+in a log file. The local cluster (``manage.py kvsp_cluster``) and the multi-process tests start
+them the same way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+BIN = Path(PYTHON).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """A child process with its output in a log file; stopped (and its group killed) on exit."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path):
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Process:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a crash, not a shutdown."""
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10) -> None:
+        if not self.alive():
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def wait_for(self, predicate, what: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log()}")
+            if predicate():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: no {what} after {timeout}s:\n{self.log()}")
+
+
+class Server(Process):
+    """A gunicorn-served role of the Django project on a loopback port."""
+
+    def __init__(self, name, env, log_dir, *, workers: int = 2, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            str(BIN / "gunicorn"),
+            "kvspsite.wsgi:application",
+            "--bind",
+            f"127.0.0.1:{self.port}",
+            "--workers",
+            str(workers),
+            "--worker-class",
+            "gthread",
+            "--threads",
+            "4",
+            "--timeout",
+            "120",
+            "--graceful-timeout",
+            "3",
+        ]
+        super().__init__(name, argv, env, log_dir)
+
+    def start(self) -> Server:
+        super().start()
+        self.wait_for(self._healthy, "answer on /healthz")
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+class Worker(Process):
+    """A Celery worker consuming the given queues (solo pool unless ``pool`` says otherwise; a
+    node's worker runs ``threads``)."""
+
+    def __init__(
+        self, name, env, log_dir, *, queues: list[str], pool: str = "solo", concurrency: int = 1
+    ):
+        argv = [
+            str(BIN / "celery"),
+            "-A",
+            "kvspsite",
+            "worker",
+            "--pool",
+            pool,
+            "--concurrency",
+            str(concurrency),
+            "--queues",
+            ",".join(queues),
+            "--hostname",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel",
+            "INFO",
+        ]
+        super().__init__(name, argv, env, log_dir)
+
+    def start(self) -> Worker:
+        super().start()
+        self.wait_for(lambda: " ready." in self.log(), "ready line")
+        return self
+
+
+class Beat(Process):
+    """Celery beat, sending the housekeeping schedule; its schedule file lives in ``log_dir``."""
+
+    def __init__(self, name, env, log_dir):
+        argv = [
+            str(BIN / "celery"),
+            "-A",
+            "kvspsite",
+            "beat",
+            "--schedule",
+            str(log_dir / f"{name}-schedule"),
+            "--loglevel",
+            "INFO",
+        ]
+        super().__init__(name, argv, env, log_dir)
+
+    def start(self) -> Beat:
+        super().start()
+        self.wait_for(lambda: "beat: Starting" in self.log(), "start line")
+        return self
+
+
+def run_manage(
+    *args: str, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,627 @@
+"""Serving a session on the instance's worker (spec 6.8), once ``workers.sessions`` admitted it.
+
+The prompt. Its Block Keys (4.2) are computed with the scope key. A generation whose request
+carries the request_ref of a placement waits for that placement's prefetch directive (6.5) to
+end; then the longest prefix of the prompt's blocks the tier store holds is imported layer by
+layer from it (device-tier copies where there are some, mapped serving copies otherwise) while
+the forward pass over the rest of the prompt runs layer l as soon as layer l has arrived (4.3).
+The last prompt token is always run, for the logits of the first output token. The blocks the
+instance computed itself are exported from the engine's cache, stored in the tier store and
+published like any block the node holds (6.1), and copied to the session holders
+(``KVSP_SESSION_HOLDERS``), all before the first checkpoint names them: a checkpoint lists
+prompt blocks by key alone, so a session can be resumed only while they exist somewhere.
+
+Decoding. Every output token goes to the front end with its index and the session epoch. The
+first checkpoint covers the first output token, so that whoever resumes always has a token to
+run after the prompt blocks; after it, one goes out whenever a block of generated tokens
+completes and at least every 64 output tokens. A deterministic sampler's tokens are posted as
+soon as they are drawn. A non-deterministic one's are held until the PC has acknowledged a
+checkpoint that covers them, ``KVSP_CHECKPOINT_TOKENS`` at a time (the first at once, for the
+time to first token). A generated block is stored, published and copied only after the
+checkpoint covering it was acknowledged, so an instance whose epoch has passed never publishes
+for the session again.
+
+Resume. The blocks the PC listed are loaded as a prefetch directive (leases at the sources,
+verified retrieval, stored and published); the longest prefix of the checkpoint's blocks now
+held is imported layer by layer; prompt_tail and the covered generated tokens after it are
+recomputed; the sampler is restored at its step. The covered tokens the front end does not have
+yet (their instance may have died between a checkpoint and their release) are delivered first,
+and generation continues at output_offset under the new epoch.
+
+Stale epochs. An answer of kvsp-stale-epoch, or one saying another instance serves the session,
+ends the session here at once: nothing more is sent for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+
+from django.conf import settings
+from django.db import close_old_connections, connections
+from django.utils import timezone
+
+from kvsp import blockkeys
+from kvsp.problems import ProtocolError
+from kvsp.records import Sampler, SessionCheckpoint
+from kvspsite.peers import PeerUnreachable
+from workers import control, fetch, services
+from workers import prefetch as prefetching
+from workers import sessions as served
+from workers.models import Directive, DirectiveState, ServedSession, SessionKind, StoredBlock
+from workers.tiers import Geometry
+
+log = logging.getLogger(__name__)
+
+# 6.8: a checkpoint at least every 64 output tokens.
+CHECKPOINT_INTERVAL = 64
+# How long a generation waits for the directive of its request_ref to arrive: the PC sends it
+# right after it answers the placement, so it is normally here first.
+DIRECTIVE_ARRIVAL_S = 2.0
+# Past a directive's deadline, how long its loads may take to stop before the generation goes
+# on without waiting.
+DIRECTIVE_SLACK_S = 2.0
+POLL_S = 0.01
+# A layer of an import that does not arrive in this time ends the import.
+IMPORT_TIMEOUT_S = 120.0
+# How long a call to the control plane is retried while it cannot be reached. By then the PC,
+# judging by its own clock, has failed the instance over if it has not heard from it either.
+CONTROL_RETRY_S = 30.0
+# Problems with which the PC says that the session is no longer this instance's to serve.
+SUPERSEDING_PROBLEMS = ("kvsp-stale-epoch", "kvsp-forbidden")
+# Records published, and copies sent to session holders, at the same time.
+PUBLISH_PARALLEL = 8
+
+
+class Superseded(Exception):
+    """The PC answered that the session runs under a higher epoch or on another instance."""
+
+
+# --- The prompt --------------------------------------------------------------------------------
+
+
+def held_prefix(
+    name: str, compat_id: bytes, scope_id: bytes, keys: list[bytes]
+) -> list[StoredBlock]:
+    """The held blocks of the longest prefix of ``keys`` the tier store holds (keys are
+    chained, 4.2: a block is of use only after all the blocks before it)."""
+    rows = StoredBlock.objects.filter(
+        instance=name, compat_id=compat_id, scope_id=scope_id, block_key__in=keys
+    )
+    by_key = {bytes(row.block_key): row for row in rows}
+    prefix = []
+    for key in keys:
+        row = by_key.get(key)
+        if row is None:
+            break
+        prefix.append(row)
+    return prefix
+
+
+def run_after_blocks(engine, tier_store, blocks: list[StoredBlock], block_tokens, rest):
+    """A sequence whose cache starts with ``blocks`` imported from the tier store layer by
+    layer, with ``rest`` run after them: the forward pass takes layer l as soon as layer l of
+    every block has arrived (4.3). ``block_tokens`` are the tokens the blocks cover, or None
+    when they are known by key alone."""
+    if not blocks:
+        return engine.prefill(rest)
+    layerwise = engine.begin_import(len(blocks), tokens=block_tokens, timeout=IMPORT_TIMEOUT_S)
+    geometry = Geometry.from_descriptor(engine.descriptor)
+
+    def feed() -> None:
+        try:
+            for layer, index, k, v in tier_store.layers_in_order(blocks, geometry):
+                layerwise.add_layer(index, layer, k, v)
+        except BaseException as error:
+            layerwise.fail(error)
+        finally:
+            close_old_connections()
+
+    feeder = threading.Thread(target=feed, name="kvsp-import", daemon=True)
+    feeder.start()
+    try:
+        engine.extend(layerwise.sequence, rest)
+    except BaseException as error:
+        layerwise.fail(error)
+        raise
+    finally:
+        feeder.join()
+    return layerwise.sequence
+
+
+@dataclass
+class ServedPrompt:
+    sequence: object
+    loaded_blocks: int
+    recomputed_tokens: int
+    held: set[bytes]
+
+
+def serve_prompt(runtime, engine, compat_id: bytes, scope_id: bytes, keys, tokens, *, recompute):
+    """The prompt's cache and the logits of its last token: its leading held blocks imported,
+    the rest run (everything with ``recompute``). A held block that cannot be read (evicted or
+    moved meanwhile) makes it recompute everything instead."""
+    block_tokens = engine.block_tokens
+    held = held_prefix(runtime.name, compat_id, scope_id, keys)
+    held_keys = {bytes(block.block_key) for block in held}
+    usable = [] if recompute else held[: (len(tokens) - 1) // block_tokens]
+    if usable:
+        covered = len(usable) * block_tokens
+        try:
+            sequence = run_after_blocks(
+                engine, runtime.tier_store, usable, tokens[:covered], tokens[covered:]
+            )
+            return ServedPrompt(sequence, len(usable), len(tokens) - covered, held_keys)
+        except (OSError, TimeoutError, ProtocolError) as error:
+            log.warning("the prompt's held blocks could not be imported (%s): recomputing", error)
+    return ServedPrompt(engine.prefill(tokens), 0, len(tokens), held_keys)
+
+
+def wait_for_directive(name: str, request_ref: str) -> Directive | None:
+    """The prefetch directive of ``request_ref`` once it has ended (or passed its deadline),
+    waiting for it to arrive for DIRECTIVE_ARRIVAL_S; None when none came."""
+    give_up = time.monotonic() + DIRECTIVE_ARRIVAL_S
+    rows = Directive.objects.filter(instance=name, request_ref=request_ref).order_by("-received_at")
+    row = rows.first()
+    while row is None and time.monotonic() < give_up:
+        time.sleep(POLL_S)
+        row = rows.first()
+    if row is None:
+        return None
+    limit = row.deadline_at + timedelta(seconds=DIRECTIVE_SLACK_S)
+    while row.state == DirectiveState.PENDING and timezone.now() < limit:
+        time.sleep(POLL_S)
+        row.refresh_from_db(fields=["state", "loaded"])
+    return row
+
+
+def prompt_logits(runtime, scope_id: bytes, compat_id: bytes, tokens, *, recompute) -> dict:
+    """The next-token logits of a prompt as this instance serves one: the leading blocks its
+    tier store holds imported, the rest computed (all of it with ``recompute``). Returns the
+    block and token counts and the logits as float32 octets, little-endian, in base64."""
+    engine = _engine_for(runtime, compat_id)
+    keys = blockkeys.block_keys(control.scope_key(scope_id), compat_id, tokens, engine.block_tokens)
+    served_prompt = serve_prompt(
+        runtime, engine, compat_id, scope_id, keys, list(tokens), recompute=recompute
+    )
+    logits = served_prompt.sequence.logits.detach().to("cpu").float().contiguous()
+    return {
+        "loaded_blocks": served_prompt.loaded_blocks,
+        "recomputed_tokens": served_prompt.recomputed_tokens,
+        "logits": base64.b64encode(logits.numpy().astype("<f4").tobytes()).decode(),
+    }
+
+
+def _engine_for(runtime, compat_id: bytes):
+    engine = runtime.engine() if runtime is not None else None
+    if engine is None:
+        raise ProtocolError("kvsp-invalid-state", "this worker runs no engine")
+    if engine.compat_id != compat_id.hex():
+        raise ProtocolError(
+            "kvsp-compat-mismatch",
+            f"this instance's engine serves compat {engine.compat_id}, not {compat_id.hex()}",
+        )
+    return engine
+
+
+# --- A session ---------------------------------------------------------------------------------
+
+
+class SessionRun:
+    """One session served under one epoch: ``run`` returns the row's final state."""
+
+    def __init__(self, row: ServedSession, runtime):
+        self.row = row
+        self.runtime = runtime
+        self.name = row.instance
+        self.session = str(row.session)
+        self.epoch = row.epoch
+        self.compat_id = bytes(row.compat_id)
+        self.scope_id = bytes(row.scope_id)
+        self.engine = None
+        self.sequence = None
+        self.sampler = None
+        self.chain: blockkeys.BlockKeyChain | None = None
+        self.prompt_blocks: tuple[str, ...] = ()
+        self.prompt_tail: tuple[int, ...] = ()
+        self.max_tokens = 0
+        self.generated: list[int] = []
+        # Output indices drawn and not yet posted, and how many the front end has been sent.
+        self.unreleased: list[int] = []
+        self.released = row.output_offset
+        # The output_offset of this epoch's last acknowledged checkpoint (None: none yet).
+        self.acknowledged: int | None = None
+        self.checkpoints = 0
+        # Completed blocks (index, key) waiting for a checkpoint that covers them.
+        self.completed: list[tuple[int, bytes]] = []
+        self.writer = BlockWriter(self)
+        self.loaded_blocks = 0
+        self.recomputed_tokens = 0
+        self.first_token_at = None
+        # Whether the session's last output token has been drawn.
+        self.ended = False
+
+    # -- driving ---------------------------------------------------------------------------
+
+    def run(self) -> str:
+        event, reason = self._serve()
+        # Blocks still waiting to be stored are dropped once the session is superseded:
+        # nothing more goes out for it.
+        self.writer.close(discard=event is served.SessionEvent.SUPERSEDE)
+        self.sequence = None
+        return served.do_finish(self.row.pk, event, reason, **self._progress())
+
+    def _serve(self) -> tuple[served.SessionEvent, str]:
+        try:
+            self.engine = _engine_for(self.runtime, self.compat_id)
+            if self.row.kind == SessionKind.GENERATE:
+                self._begin_generation()
+            else:
+                self._begin_resume()
+            self._decode()
+        except Superseded as stop:
+            log.info("session %s epoch %d: superseded (%s)", self.session, self.epoch, stop)
+            return served.SessionEvent.SUPERSEDE, str(stop)
+        except ProtocolError as error:
+            log.warning("session %s epoch %d failed: %s", self.session, self.epoch, error.detail)
+            return served.SessionEvent.FAIL, error.detail
+        except PeerUnreachable as error:
+            return served.SessionEvent.FAIL, f"the control plane could not be reached: {error}"
+        except Exception:
+            log.exception("session %s epoch %d failed", self.session, self.epoch)
+            return served.SessionEvent.FAIL, "the instance failed while serving the session"
+        return served.SessionEvent.COMPLETE, ""
+
+    def _progress(self) -> dict:
+        return {
+            "produced": len(self.generated),
+            "released": self.released,
+            "checkpoint_offset": self.acknowledged or self.row.checkpoint_offset,
+            "checkpoints": self.checkpoints,
+            "loaded_blocks": self.loaded_blocks,
+            "recomputed_tokens": self.recomputed_tokens,
+            "published_blocks": self.writer.stored,
+            "first_token_at": self.first_token_at,
+        }
+
+    # -- the start of a generation and of a resume ----------------------------------------------
+
+    def _begin_generation(self) -> None:
+        request = served.GenerateRequest.from_json(self.row.body)
+        engine, block_tokens = self.engine, self.engine.block_tokens
+        scope_key = control.scope_key(self.scope_id)
+        prompt = list(request.prompt)
+        keys = blockkeys.block_keys(scope_key, self.compat_id, prompt, block_tokens)
+        if request.request_ref:
+            wait_for_directive(self.name, request.request_ref)
+        prompt_served = serve_prompt(
+            self.runtime, engine, self.compat_id, self.scope_id, keys, prompt, recompute=False
+        )
+        self.sequence = prompt_served.sequence
+        self.loaded_blocks = prompt_served.loaded_blocks
+        self.recomputed_tokens = prompt_served.recomputed_tokens
+        # The prompt blocks computed here exist nowhere else yet: they are stored (and copied
+        # to the session holders) before the first checkpoint names them.
+        self.writer.store_now(
+            [(index, key) for index, key in enumerate(keys) if key not in prompt_served.held]
+        )
+        self.prompt_blocks = tuple(key.hex() for key in keys)
+        self.prompt_tail = tuple(prompt[len(keys) * block_tokens :])
+        self.chain = blockkeys.BlockKeyChain(
+            scope_key,
+            self.compat_id,
+            block_tokens,
+            previous=keys[-1] if keys else None,
+            count=len(keys),
+        )
+        self.chain.extend(self.prompt_tail)
+        self.sampler = _token_sampler(request.sampler)
+        self.max_tokens = request.max_tokens
+
+    def _begin_resume(self) -> None:
+        request = served.ResumeRequest.from_json(self.session, self.row.body)
+        checkpoint = request.checkpoint
+        block_tokens = self.engine.block_tokens
+        scope_key = control.scope_key(self.scope_id)
+        prompt_keys = [bytes.fromhex(key) for key in checkpoint.prompt_blocks]
+        after = list(checkpoint.prompt_tail) + list(checkpoint.covered_generated)
+        self.chain = blockkeys.BlockKeyChain(
+            scope_key,
+            self.compat_id,
+            block_tokens,
+            previous=prompt_keys[-1] if prompt_keys else None,
+            count=len(prompt_keys),
+        )
+        keys = prompt_keys + self.chain.extend(after)
+        if self.row.directive_id is not None:
+            prefetching.run_directive(
+                self.row.directive_id, self.runtime.device_tier, admitted=True
+            )
+        held = held_prefix(self.name, self.compat_id, self.scope_id, keys)
+        if len(held) < len(prompt_keys):
+            missing = prompt_keys[len(held)].hex()
+            directive = Directive.objects.filter(pk=self.row.directive_id).first()
+            why = f": {directive.reason}" if directive is not None and directive.reason else ""
+            raise ProtocolError(
+                "kvsp-not-found", f"prompt block {missing} could not be loaded{why}"
+            )
+        # Something after the blocks must run, for the logits of the next output token; the
+        # admission made sure that the checkpoint has a token after its prompt blocks.
+        usable = held
+        while (len(usable) - len(prompt_keys)) * block_tokens >= len(after):
+            usable = usable[:-1]
+        covered = (len(usable) - len(prompt_keys)) * block_tokens
+        self.sequence = run_after_blocks(
+            self.engine, self.runtime.tier_store, usable, None, after[covered:]
+        )
+        self.loaded_blocks = len(usable)
+        self.recomputed_tokens = len(after) - covered
+        self.prompt_blocks = checkpoint.prompt_blocks
+        self.prompt_tail = checkpoint.prompt_tail
+        self.generated = list(checkpoint.covered_generated)
+        self.sampler = _token_sampler(checkpoint.sampler)
+        self.max_tokens = served.split_max_tokens(checkpoint.sampler)[1] or (
+            self.engine.max_positions - self.sequence.length + len(self.generated)
+        )
+        # Under its new epoch the session is this instance's from the first checkpoint on.
+        self._checkpoint()
+        held_keys = {bytes(block.block_key) for block in held}
+        self.writer.store_now(
+            [
+                (index, keys[index])
+                for index in range(len(prompt_keys), self.sequence.complete_blocks)
+                if keys[index] not in held_keys
+            ]
+        )
+        self._deliver_covered()
+
+    def _deliver_covered(self) -> None:
+        """Post the covered tokens the front end lacks: the instance that drew them may have
+        died between a checkpoint and their release. Each index is kept once there. When the
+        covered tokens end the session already, the last one goes again, marked final."""
+        covered = len(self.generated)
+        if not covered:
+            return
+        have = self._call(control.delivered_indices, self.session)
+        self.unreleased = [index for index in range(covered) if index not in have]
+        self.ended = covered >= self.max_tokens or self.generated[-1] == self.engine.eos_token_id
+        if self.ended and covered - 1 not in self.unreleased:
+            self.unreleased.append(covered - 1)
+        self.released = covered - len(self.unreleased)
+        if self.unreleased:
+            self._post(final=self.ended)
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        engine, sampler = self.engine, self.sampler
+        batch = settings.KVSP_CHECKPOINT_TOKENS
+        while not self.ended and len(self.generated) < self.max_tokens:
+            token = sampler.sample(self.sequence.logits)
+            self.generated.append(token)
+            self.unreleased.append(len(self.generated) - 1)
+            final = len(self.generated) >= self.max_tokens or token == engine.eos_token_id
+            first = self.acknowledged is None
+            if final or first or sampler.deterministic or len(self.unreleased) >= batch:
+                if final or first or not sampler.deterministic:
+                    self._checkpoint()
+                self._post(final=final)
+            if final:
+                self.ended = True
+                return
+            engine.decode(self.sequence, token)
+            for key in self.chain.extend([token]):
+                self.completed.append((self.sequence.complete_blocks - 1, key))
+            due = len(self.generated) - (self.acknowledged or 0) >= CHECKPOINT_INTERVAL
+            if self.completed or due:
+                self._checkpoint()
+                if self.unreleased:
+                    self._post(final=False)
+                self.writer.store_later(self.completed)
+                self.completed = []
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _call(self, function, *args):
+        """A call to the control plane, retried while it cannot be reached; an answer that the
+        session is no longer this instance's raises Superseded."""
+        give_up = time.monotonic() + CONTROL_RETRY_S
+        pause = 0.05
+        while True:
+            try:
+                return function(*args)
+            except ProtocolError as error:
+                if error.problem in SUPERSEDING_PROBLEMS:
+                    raise Superseded(f"{error.problem}: {error.detail}") from None
+                raise
+            except PeerUnreachable:
+                if time.monotonic() >= give_up:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+    def _sampler_record(self) -> Sampler:
+        record = self.sampler.to_record()
+        params = dict(record.params.to_json())
+        params[served.MAX_TOKENS] = self.max_tokens
+        return Sampler(
+            method=record.method,
+            params=params,
+            seed=record.seed,
+            step=record.step,
+            deterministic=record.deterministic,
+        )
+
+    def _checkpoint(self) -> None:
+        """Publish a checkpoint covering every output token drawn so far (4.4, 6.8)."""
+        offset = len(self.generated)
+        record = SessionCheckpoint(
+            session=self.session,
+            epoch=self.epoch,
+            compat_id=self.compat_id.hex(),
+            scope_id=self.scope_id.hex(),
+            prompt_blocks=tuple(self.prompt_blocks),
+            prompt_tail=tuple(self.prompt_tail),
+            generated=tuple(self.generated),
+            output_offset=offset,
+            sampler=self._sampler_record(),
+        )
+        self._call(control.put_checkpoint, record)
+        # The PC holds this checkpoint or one further on, under this epoch: everything drawn
+        # so far is covered.
+        self.acknowledged = offset
+        self.checkpoints += 1
+        served.do_note_progress(self.row.pk, **self._progress())
+
+    def _post(self, *, final: bool) -> None:
+        """Release the drawn tokens not yet sent: all of them for a deterministic sampler,
+        those an acknowledged checkpoint covers otherwise (the PC would refuse the others)."""
+        limit = len(self.generated)
+        if not self.sampler.deterministic:
+            limit = self.acknowledged or 0
+        ready = [index for index in self.unreleased if index < limit]
+        if not ready:
+            return
+        items = [
+            {"epoch": self.epoch, "index": index, "token": self.generated[index]} for index in ready
+        ]
+        if final and ready[-1] == len(self.generated) - 1:
+            items[-1]["final"] = True
+        self._call(control.post_output, self.session, items)
+        self.unreleased = [index for index in self.unreleased if index >= limit]
+        self.released += len(ready)
+        if self.first_token_at is None:
+            self.first_token_at = timezone.now()
+
+    def export(self, index: int, key: bytes) -> tuple:
+        """Block ``index`` of the session's cache as a container, with its ids."""
+        encoded = self.engine.export_blocks(self.sequence, index, 1)[0]
+        return (self.compat_id, self.scope_id, key), encoded
+
+
+class BlockWriter:
+    """Stores the blocks a session computed, publishes their records (6.1) and copies them to
+    the session holders. ``store_now`` does it before returning (prompt blocks, which the
+    first checkpoint names); ``store_later`` on a thread of the writer's own, so that decoding
+    does not wait for generated blocks. Blocks are exported from the engine's cache on the
+    caller's thread, which is the one that owns the sequence."""
+
+    def __init__(self, run: SessionRun):
+        self.run = run
+        self.stored = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._discard = threading.Event()
+
+    def store_now(self, blocks: list[tuple[int, bytes]]) -> None:
+        if blocks:
+            self.stored += store_blocks(
+                [self.run.export(index, key) for index, key in blocks],
+                self.run.engine.block_tokens,
+            )
+
+    def store_later(self, blocks: list[tuple[int, bytes]]) -> None:
+        if not blocks:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain, name="kvsp-blocks", daemon=True)
+            self._thread.start()
+        for index, key in blocks:
+            self._queue.put(self.run.export(index, key))
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                batch = [self._queue.get()]
+                while not self._queue.empty():
+                    batch.append(self._queue.get())
+                done = batch[-1] is None
+                batch = [item for item in batch if item is not None]
+                if batch and not self._discard.is_set():
+                    self.stored += store_blocks(batch, self.run.engine.block_tokens)
+                if done:
+                    return
+        except Exception:
+            log.exception("session %s: blocks could not be stored", self.run.session)
+        finally:
+            connections.close_all()
+
+    def close(self, *, discard: bool) -> None:
+        """Wait for the blocks handed over (or drop those not stored yet, with ``discard``)."""
+        if discard:
+            self._discard.set()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+def store_blocks(blocks: list[tuple], token_count: int) -> int:
+    """Store exported blocks in the tier store, then publish the records of those newly stored
+    and copy every one to the session holders, PUBLISH_PARALLEL at a time. Returns how many
+    were newly stored."""
+    stored = services.do_store_exported(blocks, token_count)
+    jobs = [partial(services.publish_current, pk) for pk in stored]
+    jobs += [partial(copy_to_session_holders, ids, encoded) for ids, encoded in blocks]
+    _run_all(jobs)
+    return len(stored)
+
+
+def _run_all(jobs) -> None:
+    def run(job) -> None:
+        try:
+            job()
+        finally:
+            connections.close_all()
+
+    if len(jobs) == 1:
+        jobs[0]()
+        return
+    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, max(len(jobs), 1))) as pool:
+        list(pool.map(run, jobs))
+
+
+def copy_to_session_holders(ids, encoded) -> None:
+    """PUT a block at each session holder (6.7); a holder that has it already keeps its copy.
+    A failure leaves the block with this node alone, and is logged."""
+    holders = [h for h in settings.KVSP_SESSION_HOLDERS if h != settings.KVSP_PUBLIC_URL]
+    if not holders:
+        return
+    octets = encoded.tobytes()
+    sha256 = hashlib.sha256(octets).digest()
+    for holder in holders:
+        try:
+            fetch.store_block(control.client(), holder, ids, octets, sha256)
+        except (ProtocolError, fetch.DeadlineExpired) as error:
+            log.warning("block %s not copied to %s: %s", ids[2].hex(), holder, error)
+
+
+def _token_sampler(record: Sampler):
+    from workers.engines.samplers import TokenSampler
+
+    params = served.split_max_tokens(record)[0]
+    return TokenSampler(record.method, params, seed=record.seed, step=record.step)
+
+
+def serve(session_pk: int, runtime) -> str:
+    """Serve an admitted session (the task ``workers.serve_session``); a row taken up already
+    (a task delivered again) is left as it is."""
+    row = ServedSession.objects.filter(pk=session_pk).first()
+    if row is None:
+        return "gone"
+    if not served.do_start(session_pk, runtime.epoch if runtime is not None else 0):
+        return ServedSession.objects.get(pk=session_pk).state
+    row.refresh_from_db()
+    if runtime is None:
+        return served.do_finish(
+            session_pk, served.SessionEvent.FAIL, "this worker does not serve the node's queue"
+        )
+    return SessionRun(row, runtime).run()

@@ -1,0 +1,518 @@
+"""Sessions this instance serves (spec 6.8): the requests that start serving one, their rows, and
+the one table of their states.
+
+Two requests start serving a session here:
+
+- ``POST II generate`` is this implementation's own, not the spec's (inference requests are
+  outside its scope, 1.3): a new session, under session epoch 1, from a prompt of token ids.
+- ``POST II sessions/{session}/resume`` is the PC's (6.8): the instance that served the session
+  failed, and this one continues it from the latest checkpoint under a new epoch.
+
+Both are refused while the instance is not active (6.3: a draining instance MUST NOT accept new
+sessions), on a holder without an engine, and for a Compatibility ID other than the engine's
+(4.1). What the engine serves is read from the node's row, where the worker wrote it when it
+loaded the model, so the HTTP process never loads one. An accepted request is a row first and a
+task on the instance's queue after (``workers.generation`` serves it); the same request sent
+again is the same row.
+
+The session's length. A Session Checkpoint (4.4) has no member for the number of output tokens
+the session was asked for, yet the instance that resumes it must stop where the first one would
+have. This implementation carries it in the checkpoint's ``sampler.params`` as ``max_tokens``:
+params reach the resuming instance unchanged, and a sampler ignores the member (it changes no
+draw).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from index.authz import may_read_scope
+from kvsp.hexids import is_hex, parse_uuid
+from kvsp.problems import ProtocolError
+from kvsp.records import (
+    DEFAULT_LIMITS,
+    SAMPLER_METHODS,
+    DirectiveBlock,
+    InvalidRecord,
+    PrefetchDirective,
+    Sampler,
+    SessionCheckpoint,
+)
+from kvsp.states import TransitionTable
+from kvspsite.celery import instance_queue
+from workers import selectors, services
+from workers.models import (
+    Directive,
+    Node,
+    NodeState,
+    ServedSession,
+    ServedSessionState,
+    SessionKind,
+)
+
+# The member of sampler.params that carries the session's length (see the module docstring).
+MAX_TOKENS = "max_tokens"
+GREEDY = "greedy"
+UINT32_LIMIT = 2**32
+# Names the prefetch directive a resume loads its blocks with: uuid5 of "session/epoch".
+RESUME_DIRECTIVE_NAMESPACE = uuid.UUID("5b0c7d1e-9a43-4f8e-8c21-6d4a2f0e7b93")
+
+
+class SessionEvent(StrEnum):
+    START = "start"  # the worker takes the row up
+    COMPLETE = "complete"  # the last output token is delivered
+    SUPERSEDE = "supersede"  # the PC answered with a higher epoch or another instance
+    FAIL = "fail"  # the instance could not go on
+
+
+SESSION_STATES = TransitionTable(
+    "served session",
+    ServedSessionState,
+    SessionEvent,
+    {
+        ServedSessionState.ACCEPTED: {
+            SessionEvent.START: ServedSessionState.RUNNING,
+            SessionEvent.SUPERSEDE: ServedSessionState.SUPERSEDED,
+            SessionEvent.FAIL: ServedSessionState.FAILED,
+        },
+        ServedSessionState.RUNNING: {
+            SessionEvent.COMPLETE: ServedSessionState.COMPLETED,
+            SessionEvent.SUPERSEDE: ServedSessionState.SUPERSEDED,
+            SessionEvent.FAIL: ServedSessionState.FAILED,
+        },
+        ServedSessionState.COMPLETED: {},
+        ServedSessionState.SUPERSEDED: {},
+        ServedSessionState.FAILED: {},
+    },
+)
+
+
+def _malformed(detail: str) -> ProtocolError:
+    return ProtocolError("kvsp-malformed-request", detail)
+
+
+def _invalid(detail: str) -> ProtocolError:
+    return ProtocolError("kvsp-invalid-record", detail)
+
+
+def _object(value: object, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise _malformed(f"{what} must be a JSON object")
+    return value
+
+
+def _positive_int(value: object, what: str) -> int:
+    if type(value) is not int or value < 1:
+        raise _invalid(f"{what}: a positive integer")
+    return value
+
+
+def _tokens(value: object, what: str, *, non_empty: bool) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _invalid(f"{what}: an array of token ids")
+    if non_empty and not value:
+        raise _invalid(f"{what}: at least one token")
+    if len(value) > DEFAULT_LIMITS.max_tokens:
+        raise _invalid(f"{what}: at most {DEFAULT_LIMITS.max_tokens} tokens")
+    for position, token in enumerate(value):
+        if type(token) is not int or not 0 <= token < UINT32_LIMIT:
+            raise _invalid(f"{what}[{position}]: a token id (an unsigned 32-bit integer)")
+    return tuple(value)
+
+
+def session_sampler(
+    method: object, params: object, seed: object, step: int, *, what: str = "sampler"
+) -> Sampler:
+    """The sampler member of a session's checkpoints (4.4), checked as the engine's samplers
+    check it: a registered method, its parameters, and no parameter the engine does not
+    implement (``max_tokens`` aside), since ignoring one would resume a different sampler."""
+    if not isinstance(params, dict):
+        raise _invalid(f"{what}.params: a JSON object")
+    try:
+        record = Sampler(
+            method=method,
+            params=params,
+            seed=seed,
+            step=step,
+            deterministic=method == GREEDY,
+        )
+    except InvalidRecord as error:
+        raise error.within(what) from None
+    required, optional = SAMPLER_METHODS[record.method]
+    unknown = sorted(set(record.params) - set(required) - set(optional) - {MAX_TOKENS})
+    if unknown:
+        raise _invalid(
+            f"{what}.params: method {record.method!r} here takes no {', '.join(unknown)}"
+        )
+    if MAX_TOKENS in record.params:
+        _positive_int(record.params[MAX_TOKENS], f"{what}.params.{MAX_TOKENS}")
+    return record
+
+
+def split_max_tokens(sampler: Sampler) -> tuple[dict, int | None]:
+    """The sampler's own params, and the session length carried beside them."""
+    params = sampler.params.to_json()
+    return params, params.pop(MAX_TOKENS, None)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """``POST II generate``: ``{"session", "scope_id", "compat_id", "prompt", "max_tokens",
+    "sampler": {"method", "params", "seed"}, "request_ref"}``; ``request_ref`` (optional) is
+    that of the placement whose prefetch directive loads the prompt's blocks (6.5)."""
+
+    session: str
+    scope_id: str
+    compat_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampler: Sampler
+    request_ref: str | None
+
+    @classmethod
+    def from_json(cls, body: object) -> GenerateRequest:
+        body = _object(body, "the body")
+        session = str(parse_uuid(body.get("session"), "session", problem="kvsp-malformed-request"))
+        scope_id, compat_id = body.get("scope_id"), body.get("compat_id")
+        if not is_hex(scope_id, 16):
+            raise _invalid("scope_id: a hex16 Scope ID")
+        if not is_hex(compat_id, 32):
+            raise _invalid("compat_id: a hex32 Compatibility ID")
+        prompt = _tokens(body.get("prompt"), "prompt", non_empty=True)
+        max_tokens = _positive_int(body.get("max_tokens"), "max_tokens")
+        sampler = _object(body.get("sampler", {"method": GREEDY}), "sampler")
+        params = sampler.get("params", {})
+        if isinstance(params, dict) and MAX_TOKENS in params:
+            raise _invalid(f"sampler.params: give {MAX_TOKENS} beside the sampler, not in it")
+        record = session_sampler(sampler.get("method"), params, sampler.get("seed", 0), 0)
+        request_ref = body.get("request_ref")
+        if request_ref is not None and (
+            not isinstance(request_ref, str) or not 0 < len(request_ref) <= 1024
+        ):
+            raise _invalid("request_ref: a string of 1 to 1024 characters")
+        return cls(session, scope_id, compat_id, prompt, max_tokens, record, request_ref)
+
+    def to_json(self) -> dict[str, Any]:
+        sampler = self.sampler.to_json()
+        body = {
+            "session": self.session,
+            "scope_id": self.scope_id,
+            "compat_id": self.compat_id,
+            "prompt": list(self.prompt),
+            "max_tokens": self.max_tokens,
+            "sampler": {key: sampler[key] for key in ("method", "params", "seed")},
+        }
+        if self.request_ref is not None:
+            body["request_ref"] = self.request_ref
+        return body
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """``POST II sessions/{session}/resume`` (6.8), as the PC sends it: ``{"session", "epoch",
+    "checkpoint", "blocks": [{"block_key", "sources"}], "resident", "deadline_ms",
+    "lease_ms"}``."""
+
+    session: str
+    epoch: int
+    checkpoint: SessionCheckpoint
+    blocks: tuple[DirectiveBlock, ...]
+    resident: tuple[str, ...]
+    deadline_ms: int
+    lease_ms: int
+
+    @classmethod
+    def from_json(cls, session_id: str, body: object) -> ResumeRequest:
+        body = _object(body, "the body")
+        session = str(parse_uuid(session_id, "session", problem="kvsp-malformed-request"))
+        if str(body.get("session", "")).lower() != session:
+            raise _malformed("session in the body differs from the path")
+        epoch = _positive_int(body.get("epoch"), "epoch")
+        try:
+            checkpoint = SessionCheckpoint.from_json(body.get("checkpoint"))
+        except InvalidRecord as error:
+            raise error.within("checkpoint") from None
+        if checkpoint.session != session:
+            raise _invalid("checkpoint.session: not the session resumed")
+        if checkpoint.epoch >= epoch:
+            raise _invalid(
+                f"epoch {epoch} must be above the checkpoint's epoch {checkpoint.epoch}: a "
+                "resumed session runs under a new epoch (6.8)"
+            )
+        sampler = checkpoint.sampler
+        session_sampler(
+            sampler.method,
+            sampler.params.to_json(),
+            sampler.seed,
+            sampler.step,
+            what="checkpoint.sampler",
+        )
+        if not checkpoint.prompt_tail and not checkpoint.output_offset:
+            raise _invalid(
+                "checkpoint: no token after the prompt blocks, so there is nothing to compute "
+                "the first output token from"
+            )
+        blocks_json = body.get("blocks", [])
+        if not isinstance(blocks_json, list):
+            raise _invalid("blocks: an array of {block_key, sources}")
+        blocks = []
+        for index, block in enumerate(blocks_json):
+            try:
+                blocks.append(DirectiveBlock.from_json(block))
+            except InvalidRecord as error:
+                raise error.within("blocks", index) from None
+        resident = body.get("resident", [])
+        if not isinstance(resident, list) or not all(is_hex(key, 32) for key in resident):
+            raise _invalid("resident: an array of hex32 Block Keys")
+        return cls(
+            session=session,
+            epoch=epoch,
+            checkpoint=checkpoint,
+            blocks=tuple(blocks),
+            resident=tuple(key.lower() for key in resident),
+            deadline_ms=_positive_int(
+                body.get("deadline_ms", settings.KVSP_PREFETCH_DEADLINE_MS), "deadline_ms"
+            ),
+            lease_ms=_positive_int(
+                body.get("lease_ms", settings.KVSP_PREFETCH_LEASE_MS), "lease_ms"
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "epoch": self.epoch,
+            "checkpoint": self.checkpoint.to_json(),
+            "blocks": [block.to_json() for block in self.blocks],
+            "resident": list(self.resident),
+            "deadline_ms": self.deadline_ms,
+            "lease_ms": self.lease_ms,
+        }
+
+
+# --- Admission ------------------------------------------------------------------------------
+
+
+def _locked_node(name: str) -> Node:
+    services.ensure_node(name)
+    return Node.objects.select_for_update().get(name=name)
+
+
+def _check_servable(node: Node, compat_id: str, tokens) -> dict:
+    """What the engine serves, if it can serve this session now; otherwise the refusal."""
+    if not settings.KVSP_MODEL_DIR:
+        raise ProtocolError(
+            "kvsp-invalid-state", "this node is a storage-only holder: it serves no sessions"
+        )
+    if node.state != NodeState.ACTIVE:
+        raise ProtocolError(
+            "kvsp-invalid-state",
+            f"the instance is {node.state}: it accepts no new sessions (6.3)",
+        )
+    engine = node.engine
+    if engine is None:
+        raise ProtocolError("kvsp-unavailable", "the instance's engine is loading; try again")
+    if compat_id != engine["compat_id"]:
+        raise ProtocolError(
+            "kvsp-compat-mismatch",
+            f"this instance's engine serves compat {engine['compat_id']}, not {compat_id}",
+        )
+    vocab = engine["vocab_size"]
+    outside = next((token for token in tokens if token >= vocab), None)
+    if outside is not None:
+        raise _invalid(f"token {outside} is outside the model's vocabulary of {vocab}")
+    return engine
+
+
+def _check_positions(engine: dict, positions: int) -> None:
+    if positions > engine["max_positions"]:
+        raise _invalid(
+            f"the session needs {positions} positions; the model has {engine['max_positions']}"
+        )
+
+
+def _same_request(existing: ServedSession, kind: str, body: dict) -> ServedSession:
+    if existing.kind != kind or existing.body != body:
+        raise ProtocolError(
+            "kvsp-conflict",
+            f"session {existing.session} exists here under epoch {existing.epoch} with "
+            "another request",
+        )
+    return existing
+
+
+def _enqueue(row: ServedSession) -> None:
+    from workers.tasks import serve_session
+
+    serve_session.apply_async_on_commit(args=[row.pk], queue=instance_queue(row.instance))
+
+
+def do_accept_generation(principal, body: object) -> ServedSession:
+    """``POST II generate``: admit a new session (epoch 1) from a controller or a principal
+    of the prompt's scope."""
+    request = GenerateRequest.from_json(body)
+    if not may_read_scope(principal, bytes.fromhex(request.scope_id)):
+        raise ProtocolError("kvsp-forbidden", "not a principal of the prompt's scope")
+    name = selectors.node_name()
+    body = request.to_json()
+    with transaction.atomic():
+        node = _locked_node(name)
+        existing = ServedSession.objects.filter(instance=name, session=request.session).first()
+        if existing is not None:
+            return _same_request(existing, SessionKind.GENERATE, body)
+        engine = _check_servable(node, request.compat_id, request.prompt)
+        _check_positions(engine, len(request.prompt) + request.max_tokens)
+        row = ServedSession.objects.create(
+            instance=name,
+            session=request.session,
+            epoch=1,
+            kind=SessionKind.GENERATE,
+            scope_id=bytes.fromhex(request.scope_id),
+            compat_id=bytes.fromhex(request.compat_id),
+            request_ref=request.request_ref or "",
+            body=body,
+            received_at=timezone.now(),
+        )
+        _enqueue(row)
+    return row
+
+
+def _sourceless_prompt_block(request: ResumeRequest, name: str) -> str | None:
+    """The first prompt block of the checkpoint that this instance neither holds nor is told
+    where to load from: the checkpoint names prompt blocks by key alone, so without them the
+    session cannot be resumed here."""
+    checkpoint = request.checkpoint
+    listed = {block.block_key for block in request.blocks} | set(request.resident)
+    unlisted = [key for key in checkpoint.prompt_blocks if key not in listed]
+    if not unlisted:
+        return None
+    held = selectors.held_keys(
+        name,
+        bytes.fromhex(checkpoint.compat_id),
+        bytes.fromhex(checkpoint.scope_id),
+        [bytes.fromhex(key) for key in unlisted],
+    )
+    return next((key for key in unlisted if bytes.fromhex(key) not in held), None)
+
+
+def do_accept_resume(session_id: str, body: object) -> ServedSession:
+    """``POST II sessions/{session}/resume`` (6.8), the PC's: admit the session under its new
+    epoch; the blocks to load become a prefetch directive the session's task carries out."""
+    request = ResumeRequest.from_json(session_id, body)
+    checkpoint = request.checkpoint
+    name = selectors.node_name()
+    body = request.to_json()
+    with transaction.atomic():
+        node = _locked_node(name)
+        rows = ServedSession.objects.filter(instance=name, session=request.session)
+        existing = rows.filter(epoch=request.epoch).first()
+        if existing is not None:
+            return _same_request(existing, SessionKind.RESUME, body)
+        later = rows.filter(epoch__gt=request.epoch).order_by("-epoch").first()
+        if later is not None:
+            raise ProtocolError(
+                "kvsp-stale-epoch",
+                f"epoch {request.epoch} is lower than epoch {later.epoch}, under which this "
+                "instance serves the session already",
+            )
+        engine = _check_servable(
+            node, checkpoint.compat_id, list(checkpoint.prompt_tail) + list(checkpoint.generated)
+        )
+        max_tokens = split_max_tokens(checkpoint.sampler)[1] or 0
+        _check_positions(
+            engine,
+            len(checkpoint.prompt_blocks) * engine["block_tokens"]
+            + len(checkpoint.prompt_tail)
+            + max(max_tokens, checkpoint.output_offset),
+        )
+        missing = _sourceless_prompt_block(request, name)
+        if missing is not None:
+            raise ProtocolError(
+                "kvsp-conflict",
+                f"prompt block {missing} is neither held here nor listed with a source: this "
+                "instance cannot resume the session",
+            )
+        now = timezone.now()
+        directive = None
+        if request.blocks:
+            directive_id = uuid.uuid5(
+                RESUME_DIRECTIVE_NAMESPACE, f"{request.session}/{request.epoch}"
+            )
+            record = PrefetchDirective(
+                directive=str(directive_id),
+                request_ref=f"resume {request.session} epoch {request.epoch}",
+                scope_id=checkpoint.scope_id,
+                compat_id=checkpoint.compat_id,
+                blocks=request.blocks,
+                deadline_ms=request.deadline_ms,
+                lease_ms=request.lease_ms,
+            )
+            directive = Directive.objects.create(
+                instance=name,
+                directive=directive_id,
+                request_ref=record.request_ref,
+                compat_id=bytes.fromhex(checkpoint.compat_id),
+                scope_id=bytes.fromhex(checkpoint.scope_id),
+                body=record.to_json(),
+                received_at=now,
+                deadline_at=now + timedelta(milliseconds=request.deadline_ms),
+            )
+        row = ServedSession.objects.create(
+            instance=name,
+            session=request.session,
+            epoch=request.epoch,
+            kind=SessionKind.RESUME,
+            scope_id=bytes.fromhex(checkpoint.scope_id),
+            compat_id=bytes.fromhex(checkpoint.compat_id),
+            body=body,
+            directive=directive,
+            output_offset=checkpoint.output_offset,
+            produced=checkpoint.output_offset,
+            checkpoint_offset=checkpoint.output_offset,
+            received_at=now,
+        )
+        _enqueue(row)
+    return row
+
+
+# --- State changes ----------------------------------------------------------------------------
+
+
+def do_start(pk: int, node_epoch: int) -> bool:
+    """The worker takes an accepted row up; False when it was taken up (or ended) already, as
+    for a task delivered again."""
+    with transaction.atomic():
+        row = ServedSession.objects.select_for_update().filter(pk=pk).first()
+        if row is None or not SESSION_STATES.allows(row.state, SessionEvent.START):
+            return False
+        row.state = SESSION_STATES.next_state(row.state, SessionEvent.START)
+        row.node_epoch = node_epoch
+        row.started_at = timezone.now()
+        row.save(update_fields=["state", "node_epoch", "started_at"])
+    return True
+
+
+def do_finish(pk: int, event: SessionEvent, reason: str = "", **progress) -> str:
+    """End a session here (completed, superseded or failed) with its last progress figures."""
+    with transaction.atomic():
+        row = ServedSession.objects.select_for_update().get(pk=pk)
+        row.state = SESSION_STATES.next_state(row.state, event)
+        row.reason = reason
+        row.finished_at = timezone.now()
+        for field, value in progress.items():
+            setattr(row, field, value)
+        row.save()
+    return row.state
+
+
+def do_note_progress(pk: int, **progress) -> None:
+    """The worker's figures of a running session, written at each checkpoint."""
+    ServedSession.objects.filter(pk=pk).update(**progress)
