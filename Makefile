@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test lint format install bench
+.PHONY: run serve test lint format install bench
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ $(VENV)/.installed: requirements.txt
 install: $(VENV)/.installed
 
 run: $(VENV)/.installed
+	$(PY) manage.py kvsp_cluster
+
+serve: $(VENV)/.installed
 	$(PY) manage.py migrate --no-input
 	$(VENV)/bin/gunicorn kvspsite.wsgi:application --bind $(HOST):$(PORT) \
 		--workers 2 --worker-class gthread --threads 4

@@ -1,0 +1,527 @@
+"""A whole KVSP cluster on this machine, for a first look: ``manage.py kvsp_cluster``.
+
+It starts a control plane (gunicorn, a Celery worker and beat) and nodes with the reference
+engine (gunicorn and a Celery worker each), creates a scope, principals and the model's
+Compatibility Descriptor, drives a workload of prompts with a shared prefix through
+``POST placements`` and each chosen node's ``POST generate``, kills a node in the middle of a
+session to show the failover, runs one reshard, and prints what it measured. Then it leaves the
+dashboard running until Ctrl-C, and stops every process it started.
+
+On the embedded default (no ``DATABASE_URL``) everything lives in a fresh folder (SQLite and a
+filesystem broker); with ``DATABASE_URL`` and ``CELERY_BROKER_URL`` set it runs on those.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import secrets
+import shutil
+import signal
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvspsite.processes import ROOT, Beat, Process, Server, Worker, free_port, run_manage
+
+BLOCK_TOKENS = 16
+SHARED_PREFIX_TOKENS = 128
+SUFFIX_TOKENS = 8
+STATUS_TTL_MS = 2000
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started or did not behave; the message says what and where."""
+
+
+@dataclass
+class NodeProcesses:
+    name: str
+    port: int
+    env: dict
+    server: Server | None = None
+    worker: Worker | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/kvsp/"
+
+
+@dataclass
+class Measurements:
+    blocks_asked: int = 0
+    blocks_matched: int = 0
+    ttft_cached_ms: list[float] = field(default_factory=list)
+    ttft_cold_ms: list[float] = field(default_factory=list)
+    sessions_completed: int = 0
+    failover_ms: float | None = None
+    failover_indices_once: bool | None = None
+    reshard_state: str | None = None
+    reshard_ms: float | None = None
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        *,
+        nodes: int = 3,
+        requests: int = 12,
+        directory: Path | None = None,
+        console: Console | None = None,
+    ):
+        self.node_count = nodes
+        self.requests = requests
+        self.console = console or Console()
+        self.embedded = not os.environ.get("DATABASE_URL")
+        self.directory = directory or (ROOT / "var" / "cluster")
+        self.logs = self.directory / "logs"
+        self.processes: list[Process] = []
+        self.nodes: list[NodeProcesses] = []
+        self.measured = Measurements()
+        self.run_id = secrets.token_hex(3)
+        self.rng = random.Random(7)
+
+    # --- start-up -------------------------------------------------------------------------
+
+    def base_env(self) -> dict:
+        env = dict(os.environ)
+        env.update(PYTHONUNBUFFERED="1", KVSP_STATUS_TTL_MS=str(STATUS_TTL_MS))
+        if self.embedded:
+            env["KVSP_VAR_DIR"] = str(self.directory / "var")
+            env.pop("CELERY_BROKER_URL", None)
+            env.pop("CELERY_RESULT_BACKEND", None)
+        return env
+
+    def manage(self, *args: str, env: dict | None = None) -> dict | list:
+        result = run_manage(*args, env=env or self.control_env)
+        if result.returncode:
+            raise ClusterError(f"manage.py {' '.join(args)}: {result.stderr.strip()}")
+        return json.loads(result.stdout) if result.stdout.strip().startswith(("{", "[")) else {}
+
+    def start(self) -> None:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        if self.embedded and self.directory.exists():
+            shutil.rmtree(self.directory)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.control_port = free_port()
+        self.control_url = f"http://127.0.0.1:{self.control_port}/kvsp/"
+        self.control_env = {
+            **self.base_env(),
+            "KVSP_ROLE": "control",
+            "KVSP_FAILURE_CHECK_S": "0.5",
+        }
+        with self.console.status("migrating the database"):
+            self.manage("migrate", "--no-input")
+        with self.console.status("creating the reference model"):
+            self._create_model()
+        with self.console.status("creating scope, principals, instances"):
+            self._create_identities()
+        self._start_processes()
+
+    def _create_model(self) -> None:
+        from workers.engines.modeldir import create_reference_model, reference_descriptor
+
+        self.model_dir = create_reference_model(self.directory / "model", seed=0)
+        self.descriptor = reference_descriptor(self.model_dir, block_tokens=BLOCK_TOKENS)
+        from kvsp.compat import compat_id_hex
+
+        self.compat = compat_id_hex(self.descriptor)
+
+    def _create_identities(self) -> None:
+        scope = self.manage("kvsp_scope", "create", f"demo-{self.run_id}")
+        self.scope = scope["scope_id"]
+        self.controller_token = self.manage(
+            "kvsp_principal", "create", f"pc-{self.run_id}", "--controller"
+        )["token"]
+        self.router_token = self.manage(
+            "kvsp_principal", "create", f"router-{self.run_id}", "--scope", self.scope
+        )["token"]
+        self.admin_password = secrets.token_urlsafe(9)
+        admin_env = {**self.control_env, "DJANGO_SUPERUSER_PASSWORD": self.admin_password}
+        self.admin_user = f"admin-{self.run_id}"
+        result = run_manage(
+            "createsuperuser",
+            "--no-input",
+            "--username",
+            self.admin_user,
+            "--email",
+            "admin@localhost",
+            env=admin_env,
+        )
+        if result.returncode:
+            raise ClusterError(f"createsuperuser: {result.stderr.strip()}")
+        for index in range(self.node_count):
+            name = f"n{index + 1}-{self.run_id}"
+            port = free_port()
+            url = f"http://127.0.0.1:{port}/kvsp/"
+            self.manage("kvsp_instance", "add", name, "--url", url)
+            token = self.manage(
+                "kvsp_principal",
+                "create",
+                f"node-{name}",
+                "--scope",
+                self.scope,
+                "--instance",
+                name,
+                "--holder",
+                url,
+            )["token"]
+            self.nodes.append(NodeProcesses(name, port, {"KVSP_TOKEN": token}))
+        peers = [node.url for node in self.nodes]
+        links = json.dumps([{"holder": url, "mbit_per_s": 20_000, "rtt_us": 100} for url in peers])
+        for node in self.nodes:
+            node.env = {
+                **self.base_env(),
+                **node.env,
+                "KVSP_ROLE": "node",
+                "KVSP_INSTANCE": node.name,
+                "KVSP_PUBLIC_URL": node.url,
+                "KVSP_CONTROL_URL": self.control_url,
+                "KVSP_MODEL_DIR": str(self.model_dir),
+                "KVSP_BLOCK_TOKENS": str(BLOCK_TOKENS),
+                "KVSP_SHM_DIR": str(self.directory / "shm"),
+                "KVSP_DISK_DIR": str(self.directory / "disk"),
+                "KVSP_LINKS": links,
+                "KVSP_SESSION_HOLDERS": ",".join(url for url in peers if url != node.url),
+            }
+        self.http = httpx.Client(timeout=60)
+
+    def _start_processes(self) -> None:
+        planned: list[Process] = [
+            Server(
+                "control",
+                {**self.control_env, "KVSP_TOKEN": self.controller_token},
+                self.logs,
+                workers=2,
+                port=self.control_port,
+            ),
+            Worker(
+                "control-worker",
+                {**self.control_env, "KVSP_TOKEN": self.controller_token},
+                self.logs,
+                queues=["control"],
+            ),
+            Beat("beat", {**self.control_env, "KVSP_TOKEN": self.controller_token}, self.logs),
+        ]
+        for node in self.nodes:
+            node.server = Server(
+                f"{node.name}-http", node.env, self.logs, workers=2, port=node.port
+            )
+            node.worker = Worker(
+                f"{node.name}-worker",
+                node.env,
+                self.logs,
+                queues=[f"ii.{node.name}"],
+                pool="threads",
+                concurrency=4,
+            )
+            planned += [node.server, node.worker]
+        with self._progress() as progress:
+            task = progress.add_task("starting processes", total=len(planned) + 1)
+            for process in planned:
+                process.start()
+                self.processes.append(process)
+                progress.advance(task)
+                if process.name == "control":
+                    self._put(
+                        f"{self.control_url}compat/{self.compat}",
+                        self.descriptor,
+                        self.router_token,
+                    )
+            self._wait_active(len(self.nodes))
+            progress.advance(task)
+
+    def _wait_active(self, count: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            listing = self._get(f"{self.control_url}instances/", self.controller_token)
+            mine = [i for i in listing["instances"] if i["name"].endswith(self.run_id)]
+            # Serving: active, reporting, and its engine loaded (it then lists the compat id).
+            serving = [
+                i
+                for i in mine
+                if i["state"] == "active" and i["live"] and self.compat in i["compat_ids"]
+            ]
+            if len(serving) >= count:
+                return
+            time.sleep(0.2)
+        raise ClusterError(f"fewer than {count} nodes became active; see {self.logs}")
+
+    # --- HTTP ---------------------------------------------------------------------------
+
+    def _headers(self, token: str) -> dict:
+        return {"Authorization": f"Bearer {token}"}
+
+    def _check(self, response: httpx.Response) -> dict:
+        if response.status_code >= 400:
+            raise ClusterError(
+                f"{response.request.method} {response.request.url}: "
+                f"{response.status_code} {response.text[:300]}"
+            )
+        return response.json() if response.content else {}
+
+    def _call(self, method: str, url: str, token: str, body=None) -> dict:
+        try:
+            response = self.http.request(method, url, json=body, headers=self._headers(token))
+        except httpx.HTTPError as error:
+            raise ClusterError(f"{method} {url}: {error}; logs in {self.logs}") from None
+        return self._check(response)
+
+    def _get(self, url: str, token: str) -> dict:
+        return self._call("GET", url, token)
+
+    def _put(self, url: str, body, token: str) -> dict:
+        return self._call("PUT", url, token, body)
+
+    def _post(self, url: str, body, token: str) -> dict:
+        return self._call("POST", url, token, body)
+
+    # --- workload -------------------------------------------------------------------------
+
+    def _tokens(self, count: int) -> list[int]:
+        return [self.rng.randrange(3, 300) for _ in range(count)]
+
+    def _generate(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        instance: str | None = None,
+        request_ref: str | None = None,
+    ) -> tuple[str, str]:
+        """Place (unless an instance is given) and start a generation; (session, node URL)."""
+        if instance is None:
+            placement = self._post(
+                f"{self.control_url}placements",
+                {
+                    "scope_id": self.scope,
+                    "compat_id": self.compat,
+                    "tokens": prompt,
+                    "request_ref": request_ref,
+                },
+                self.router_token,
+            )
+            self.measured.blocks_asked += len(prompt) // BLOCK_TOKENS
+            self.measured.blocks_matched += placement["matched"]
+            instance = placement["instance"]
+        session = str(uuid.uuid4())
+        body = {
+            "session": session,
+            "scope_id": self.scope,
+            "compat_id": self.compat,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "sampler": {"method": "greedy"},
+        }
+        if request_ref:
+            body["request_ref"] = request_ref
+        self._post(f"{instance}generate", body, self.controller_token)
+        return session, instance
+
+    def _output(self, session: str) -> dict:
+        """The delivered tokens; none yet while the session has no first checkpoint (404)."""
+        url = f"{self.control_url}sessions/{session}/output"
+        try:
+            response = self.http.get(url, headers=self._headers(self.controller_token))
+        except httpx.HTTPError as error:
+            raise ClusterError(f"GET {url}: {error}") from None
+        if response.status_code == 404:
+            return {"tokens": [], "complete": False}
+        return self._check(response)
+
+    def _wait_first_token(self, session: str, started: float, timeout: float = 60) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._output(session)["tokens"]:
+                return (time.monotonic() - started) * 1000
+            time.sleep(0.01)
+        raise ClusterError(f"session {session}: no token after {timeout} s")
+
+    def _wait_complete(self, session: str, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            output = self._output(session)
+            if output["complete"]:
+                return output
+            time.sleep(0.05)
+        raise ClusterError(f"session {session} did not complete in {timeout} s")
+
+    def run_workload(self) -> None:
+        prefix = self._tokens(SHARED_PREFIX_TOKENS)
+        with self._progress() as progress:
+            task = progress.add_task("workload: prompts with a shared prefix", total=self.requests)
+            for index in range(self.requests):
+                cold = index % 4 == 0  # every fourth prompt shares nothing: the recompute case
+                prompt = self._tokens(SHARED_PREFIX_TOKENS) if cold else prefix
+                prompt = prompt + self._tokens(SUFFIX_TOKENS)
+                started = time.monotonic()
+                session, _ = self._generate(
+                    prompt, max_tokens=8, request_ref=f"demo-{self.run_id}-{index}"
+                )
+                ttft = self._wait_first_token(session, started)
+                (
+                    self.measured.ttft_cold_ms
+                    if cold or index == 1
+                    else self.measured.ttft_cached_ms
+                ).append(ttft)
+                self._wait_complete(session)
+                self.measured.sessions_completed += 1
+                progress.advance(task)
+
+    # --- failover -------------------------------------------------------------------------
+
+    def show_failover(self) -> None:
+        prompt = self._tokens(SHARED_PREFIX_TOKENS + SUFFIX_TOKENS)
+        with self._progress() as progress:
+            task = progress.add_task("failover: killing a node mid-session", total=3)
+            session, instance = self._generate(prompt, max_tokens=64)
+            victim = next(node for node in self.nodes if node.url == instance)
+            deadline = time.monotonic() + 60
+            while len(self._output(session)["tokens"]) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            delivered = len(self._output(session)["tokens"])
+            killed_at = time.monotonic()
+            victim.worker.kill()
+            victim.server.kill()
+            progress.advance(task)
+            while len(self._output(session)["tokens"]) <= delivered:
+                if time.monotonic() - killed_at > 120:
+                    raise ClusterError("the session did not resume within 120 s")
+                time.sleep(0.01)
+            self.measured.failover_ms = (time.monotonic() - killed_at) * 1000
+            progress.advance(task)
+            output = self._wait_complete(session)
+            indices = [token["index"] for token in output["tokens"]]
+            self.measured.failover_indices_once = indices == list(range(len(indices)))
+            # Bring the node back, as a new incarnation, for the reshard.
+            victim.server = Server(
+                f"{victim.name}-http-2", victim.env, self.logs, workers=2, port=victim.port
+            ).start()
+            victim.worker = Worker(
+                f"{victim.name}-worker-2",
+                victim.env,
+                self.logs,
+                queues=[f"ii.{victim.name}"],
+                pool="threads",
+                concurrency=4,
+            ).start()
+            self.processes += [victim.server, victim.worker]
+            self._wait_active(len(self.nodes), timeout=90)
+            progress.advance(task)
+
+    # --- reshard --------------------------------------------------------------------------
+
+    def show_reshard(self) -> None:
+        urls = [node.url for node in self.nodes]
+        map_id = f"demo-{self.run_id}"
+        third = 4096
+        self._put(
+            f"{self.control_url}shardmaps/{map_id}",
+            {
+                "map": map_id,
+                "version": 1,
+                "shards": [
+                    {"tokens": [0, 2 * third], "instance": urls[0]},
+                    {"tokens": [2 * third, 3 * third], "instance": urls[1]},
+                ],
+            },
+            self.controller_token,
+        )
+        started = time.monotonic()
+        operation = self._post(
+            f"{self.control_url}shardmaps/{map_id}/reshard",
+            {
+                "shards": [
+                    {"tokens": [0, third], "instance": urls[0]},
+                    {"tokens": [third, 2 * third], "instance": urls[-1]},
+                    {"tokens": [2 * third, 3 * third], "instance": urls[1]},
+                ],
+                "deadline_ms": 5000,
+            },
+            self.controller_token,
+        )
+        url = f"{self.control_url}shardmaps/{map_id}/reshards/{operation['to']}"
+        with self.console.status("reshard: preparing, then commit or abort"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                state = self._get(url, self.controller_token)["state"]
+                if state != "preparing":
+                    break
+                time.sleep(0.1)
+        self.measured.reshard_state = state
+        self.measured.reshard_ms = (time.monotonic() - started) * 1000
+
+    # --- report and shut-down ---------------------------------------------------------------
+
+    def summary(self) -> Table:
+        m = self.measured
+        table = Table(title="KVSP local cluster")
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        ratio = m.blocks_matched / m.blocks_asked if m.blocks_asked else 0.0
+        table.add_row("sessions completed", str(m.sessions_completed))
+        table.add_row(
+            "lookup hit ratio (blocks)", f"{ratio:.2f} ({m.blocks_matched}/{m.blocks_asked})"
+        )
+        if m.ttft_cached_ms and m.ttft_cold_ms:
+            cached, cold = statistics.median(m.ttft_cached_ms), statistics.median(m.ttft_cold_ms)
+            table.add_row("time to first token, prefix cached", f"{cached:.0f} ms")
+            table.add_row("time to first token, recomputed", f"{cold:.0f} ms")
+        if m.failover_ms is not None:
+            table.add_row("failover: kill to next token", f"{m.failover_ms:.0f} ms")
+            table.add_row("failover: every index delivered once", str(m.failover_indices_once))
+        if m.reshard_state is not None:
+            table.add_row("reshard", f"{m.reshard_state} in {m.reshard_ms:.0f} ms")
+        return table
+
+    def summary_json(self) -> dict:
+        m = self.measured
+        return {
+            "sessions_completed": m.sessions_completed,
+            "hit_ratio": m.blocks_matched / m.blocks_asked if m.blocks_asked else 0.0,
+            "ttft_cached_ms": statistics.median(m.ttft_cached_ms) if m.ttft_cached_ms else None,
+            "ttft_cold_ms": statistics.median(m.ttft_cold_ms) if m.ttft_cold_ms else None,
+            "failover_ms": m.failover_ms,
+            "failover_indices_once": m.failover_indices_once,
+            "reshard": m.reshard_state,
+        }
+
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}/"
+
+    def wait_for_interrupt(self) -> None:
+        stop = []
+        previous = signal.signal(signal.SIGTERM, lambda *args: stop.append(True))
+        try:
+            while not stop:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop(timeout=5)
+        self.processes.clear()
+        if hasattr(self, "http"):
+            self.http.close()
+
+    def _progress(self) -> Progress:
+        return Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
