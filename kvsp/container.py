@@ -24,6 +24,7 @@ value makes them allocate more than the input (``decode``) or ``max_size``
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -145,7 +146,7 @@ def verify_replica_digest(layer_digests: Iterable[bytes | str], digest: str) -> 
     """
     expected = parse_digest(digest, "replica digest")
     actual = replica_digest(layer_digests)
-    if actual != format_digest(expected):
+    if not hmac.compare_digest(actual, format_digest(expected)):
         raise ProtocolError(
             "kvsp-digest-mismatch",
             f"the layer digests hash to {actual}, not to the replica digest {digest}",
@@ -198,7 +199,8 @@ def _expected_digests(
 
 
 def _check_layer_digest(layer: int, actual: bytes, expected: bytes) -> None:
-    if actual != expected:
+    # Digest comparisons never stop at the first differing octet: compare_digest throughout.
+    if not hmac.compare_digest(actual, expected):
         raise ProtocolError(
             "kvsp-digest-mismatch",
             f"layer {layer} has digest {actual.hex()}, expected {expected.hex()}",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hmac
 import math
 import re
 from abc import ABC, abstractmethod
@@ -618,7 +619,7 @@ class ReplicaRecord(Record):
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
         if self.layer_digests is not None:
             _check_hex_list(self.layer_digests, ("layer_digests",), 32, non_empty=True)
-            if replica_digest(self.layer_digest_bytes) != self.digest:
+            if not hmac.compare_digest(replica_digest(self.layer_digest_bytes), self.digest):
                 _fail(("layer_digests",), "do not reproduce digest (4.3)")
         _check_tuple(self.residency, ("residency",), non_empty=True)
         for index, entry in enumerate(self.residency):

@@ -9,6 +9,7 @@ parsed with http-sfv. Algorithms other than sha-256 are ignored, as RFC 9530 all
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Iterable
 
 import http_sfv
@@ -129,7 +130,7 @@ def verify_repr_digest(
     expected = parse_repr_digest(value, problem=problem).get(ALGORITHM)
     if expected is None:
         raise ProtocolError(problem, "Repr-Digest has no sha-256 member")
-    if actual != expected:
+    if not hmac.compare_digest(actual, expected):
         raise ProtocolError(
             "kvsp-digest-mismatch",
             f"the representation's SHA-256 is {repr_digest_header(actual)}, "
