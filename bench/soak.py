@@ -357,9 +357,10 @@ def main():
         f"  nothing lost: {result['acknowledged']} acknowledged publishes, "
         f"{result['missing']} missing"
     )
+    detected = result["failed_after_s"]
     print(
-        f"  killed node: {result['killed_node_state']} "
-        f"({result['checked_after_kill_s']:.0f} s after the kill)"
+        f"  killed node: {result['killed_node_state']}, marked failed "
+        + (f"{detected:.1f} s after the kill" if detected is not None else "never")
     )
 
 
