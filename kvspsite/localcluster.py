@@ -356,7 +356,7 @@ class LocalCluster:
         raise ClusterError(f"session {session} did not complete in {timeout} s")
 
     def run_workload(self) -> None:
-        prefix = self._tokens(SHARED_PREFIX_TOKENS)
+        prefix = self.shared_prefix = self._tokens(SHARED_PREFIX_TOKENS)
         with self._progress() as progress:
             task = progress.add_task("workload: prompts with a shared prefix", total=self.requests)
             for index in range(self.requests):
@@ -421,18 +421,53 @@ class LocalCluster:
     # --- reshard --------------------------------------------------------------------------
 
     def show_reshard(self) -> None:
-        urls = [node.url for node in self.nodes]
+        """Shard the workload's shared prefix over two nodes that hold its blocks, then grow
+        the map to three: the third node fetches the middle range from its old member, the
+        others keep what they had."""
+        keys = self._prefix_keys()
+        found = self._post(
+            f"{self.control_url}lookup",
+            {"compat_id": self.compat, "scope_id": self.scope, "block_keys": keys},
+            self.router_token,
+        )
+        if found["matched"] < len(keys):
+            raise ClusterError(
+                f"only {found['matched']} of the shared prefix's {len(keys)} blocks are published"
+            )
+        holders = {
+            block["block_key"]: {replica["holder"] for replica in block["replicas"]}
+            for block in found["blocks"]
+        }
+        live = [node.url for node in self.nodes]
+        half = len(keys) // 2
+        first, second = (
+            [url for url in live if all(url in holders[key] for key in part)]
+            for part in (keys[:half], keys[half:])
+        )
+        if not first or not second:
+            raise ClusterError("no node holds a whole half of the shared prefix")
+        low = first[0]
+        high = next((url for url in second if url != low), second[0])
+        third = next((url for url in live if url not in (low, high)), high)
+        quarter = half // 2 * BLOCK_TOKENS
+        end = len(keys) * BLOCK_TOKENS
         map_id = f"demo-{self.run_id}"
-        third = 4096
+        context = {
+            "scope_id": self.scope,
+            "compat_id": self.compat,
+            "block_tokens": BLOCK_TOKENS,
+            "block_keys": keys,
+        }
         self._put(
             f"{self.control_url}shardmaps/{map_id}",
             {
                 "map": map_id,
                 "version": 1,
                 "shards": [
-                    {"tokens": [0, 2 * third], "instance": urls[0]},
-                    {"tokens": [2 * third, 3 * third], "instance": urls[1]},
+                    {"tokens": [0, 2 * quarter], "instance": low},
+                    {"tokens": [2 * quarter, end], "instance": high},
                 ],
+                "context": context,
             },
             self.controller_token,
         )
@@ -441,11 +476,11 @@ class LocalCluster:
             f"{self.control_url}shardmaps/{map_id}/reshard",
             {
                 "shards": [
-                    {"tokens": [0, third], "instance": urls[0]},
-                    {"tokens": [third, 2 * third], "instance": urls[-1]},
-                    {"tokens": [2 * third, 3 * third], "instance": urls[1]},
+                    {"tokens": [0, quarter], "instance": low},
+                    {"tokens": [quarter, 3 * quarter], "instance": third},
+                    {"tokens": [3 * quarter, end], "instance": high},
                 ],
-                "deadline_ms": 5000,
+                "deadline_ms": 10_000,
             },
             self.controller_token,
         )
@@ -459,6 +494,19 @@ class LocalCluster:
                 time.sleep(0.1)
         self.measured.reshard_state = state
         self.measured.reshard_ms = (time.monotonic() - started) * 1000
+
+    def _prefix_keys(self) -> list[str]:
+        """The Block Keys (4.2) of the shared prefix's complete blocks, with the scope's key."""
+        from kvsp.blockkeys import block_keys
+
+        scope_key = self._get(f"{self.control_url}scopes/{self.scope}/key", self.router_token)
+        keys = block_keys(
+            bytes.fromhex(scope_key["scope_key"]),
+            bytes.fromhex(self.compat),
+            self.shared_prefix,
+            BLOCK_TOKENS,
+        )
+        return [key.hex() for key in keys]
 
     # --- report and shut-down ---------------------------------------------------------------
 

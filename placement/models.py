@@ -164,11 +164,17 @@ class Directive(models.Model):
 class ShardMap(models.Model):
     """A Shard Map (spec 6.9) at its authoritative version: which instance holds which token
     range of one long context. Only a committed reshard moves it to the next version.
+
+    ``context`` is the map's extension member naming the context's blocks
+    (``placement.resharding.ShardContext``): its scope, Compatibility ID, block size and the
+    Block Keys of its complete blocks. Without it the PC still plans and runs reshards, but a
+    member cannot tell which blocks a token range is.
     """
 
     map = models.CharField(max_length=128, unique=True)
     version = models.PositiveIntegerField()
     shards = models.JSONField()
+    context = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -179,7 +185,10 @@ class ShardMap(models.Model):
         return f"{self.map} v{self.version}"
 
     def document(self) -> dict:
-        return {"map": self.map, "version": self.version, "shards": self.shards}
+        document = {"map": self.map, "version": self.version, "shards": self.shards}
+        if self.context is not None:
+            document["context"] = self.context
+        return document
 
 
 class ReshardPhase(models.TextChoices):
@@ -197,8 +206,13 @@ class ReshardOperation(models.Model):
     from_version = models.PositiveIntegerField()
     to_version = models.PositiveIntegerField()
     next_shards = models.JSONField()
+    # The context of version v+1: the map's own, or a longer one the reshard request gave (the
+    # context grew by the blocks decoded since). The map takes it on commit.
+    next_context = models.JSONField(null=True, blank=True)
     deadline_ms = models.PositiveIntegerField()
-    # One plan per member of either version, as sent (kvsp.records.ReshardPlan JSON).
+    # One plan per member of either version, as sent (kvsp.records.ReshardPlan JSON, with the
+    # block members of placement.resharding.ShardContext.plan_members when the map has a
+    # context).
     plans = models.JSONField()
     phase = models.CharField(
         max_length=16, choices=ReshardPhase.choices, default=ReshardPhase.PREPARING

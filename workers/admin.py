@@ -1,7 +1,7 @@
 """Admin for the nodes' rows (shared database): what each node holds, its leases, the
-directives it received, the withdrawals it still owes, the links it measured and the sessions
-it serves. Read-only:
-a node's state changes only through its own API and worker."""
+directives it received, the withdrawals it still owes, the links it measured, the sessions it
+serves and its reshard moves. Read-only: a node's state changes only through its own API and
+worker."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from workers.models import (
     MeasuredLink,
     Node,
     PendingWithdrawal,
+    ReshardMove,
     ServedSession,
     StoredBlock,
 )
@@ -42,6 +43,7 @@ class StoredBlockAdmin(ReadOnlyAdmin):
         "size",
         "last_access",
         "record_expires_at",
+        "pending_move",
     )
     list_filter = ("instance", "tier")
     exclude = ("layer_digests",)
@@ -87,3 +89,23 @@ class ServedSessionAdmin(ReadOnlyAdmin):
     )
     list_filter = ("instance", "kind", "state")
     search_fields = ("session",)
+
+
+@admin.register(ReshardMove)
+class ReshardMoveAdmin(ReadOnlyAdmin):
+    list_display = (
+        "map",
+        "to_version",
+        "instance",
+        "phase",
+        "fetched_blocks",
+        "fetched_octets",
+        "released_blocks",
+        "received_at",
+        "decided_at",
+        "finished_at",
+        "load_error",
+    )
+    list_filter = ("instance", "phase")
+    search_fields = ("map",)
+    exclude = ("plan", "fetch_keys", "release_keys")

@@ -94,7 +94,11 @@ def held_prefix(
     """The held blocks of the longest prefix of ``keys`` the tier store holds (keys are
     chained, 4.2: a block is of use only after all the blocks before it)."""
     rows = StoredBlock.objects.filter(
-        instance=name, compat_id=compat_id, scope_id=scope_id, block_key__in=keys
+        instance=name,
+        compat_id=compat_id,
+        scope_id=scope_id,
+        block_key__in=keys,
+        pending_move__isnull=True,
     )
     by_key = {bytes(row.block_key): row for row in rows}
     prefix = []

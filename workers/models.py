@@ -1,6 +1,7 @@
 """Node state (DESIGN.md sections 1 and 2): the instance itself, its tier store catalog, leases
 (spec 6.6), prefetch directives (6.5), withdrawals still owed to the Index Service (6.1), the
-links it measured (6.3) and the sessions it serves (6.8).
+links it measured (6.3), the sessions it serves (6.8) and its moves between Shard Map versions
+(6.9).
 
 Every table carries the instance name: the roles share one database in the reference deployment,
 and so do the nodes, so each node reads and writes only the rows of its own name. Identities and
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from kvsp.states import DirectiveStatus
+from kvsp.states import DirectiveStatus, ReshardPhase
 from kvsp.states import InstanceState as LifecycleState
 
 
@@ -88,6 +89,16 @@ class StoredBlock(models.Model):
     record_expires_at = models.DateTimeField(null=True, blank=True)
     # When the record is next published: half way through its TTL, or at once after a change.
     refresh_due_at = models.DateTimeField(db_index=True)
+    # Fetched for a reshard move still preparing (6.9): kept, never evicted, but not a replica
+    # yet: unpublished, and neither served nor leased. The commit makes it held; an abort
+    # discards it.
+    pending_move = models.ForeignKey(
+        "ReshardMove",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="pending_blocks",
+    )
 
     class Meta:
         constraints = [
@@ -295,3 +306,61 @@ class ServedSession(models.Model):
 
     def __str__(self) -> str:
         return f"{self.session} epoch {self.epoch} at {self.instance} ({self.state})"
+
+
+class MovePhase(models.TextChoices):
+    """Transitions follow ``kvsp.states.RESHARD_PHASES``."""
+
+    PREPARING = ReshardPhase.PREPARING.value
+    COMMITTED = ReshardPhase.COMMITTED.value
+    ABORTED = ReshardPhase.ABORTED.value
+
+
+class ReshardMove(models.Model):
+    """This node's part in one move of a Shard Map from version ``from_version`` to
+    ``to_version`` (6.9): the plan it received, what it fetched for it, the PC's decision, and
+    the blocks it still owes a release. A row first, so that a restarted node answers a
+    repeated commit or abort as it did before.
+
+    A commit or abort for a move whose plan never arrived here is recorded too (``plan`` null,
+    nothing fetched), so that the opposite decision arriving later is refused like any other.
+    ``fetch_keys`` are the Block Keys of the plan's fetch ranges, ``release_keys`` those of its
+    release ranges, hex; ``owed_release`` the ones still held after the commit because a lease
+    covered them.
+    """
+
+    instance = models.CharField(max_length=100)
+    map = models.CharField(max_length=128)
+    from_version = models.PositiveIntegerField(null=True, blank=True)
+    to_version = models.PositiveIntegerField()
+    phase = models.CharField(max_length=16, choices=MovePhase.choices, default=MovePhase.PREPARING)
+    # The plan as received, normalized (kvsp.records.ReshardPlan JSON and its block members).
+    plan = models.JSONField(null=True, blank=True)
+    compat_id = models.BinaryField(max_length=32, null=True, blank=True)
+    scope_id = models.BinaryField(max_length=16, null=True, blank=True)
+    fetch_keys = models.JSONField(default=list, blank=True)
+    release_keys = models.JSONField(default=list, blank=True)
+    owed_release = models.JSONField(default=list, blank=True)
+    # Loading stops here; a repeated plan that finds loading failed or stopped sets it anew.
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    loaded_at = models.DateTimeField(null=True, blank=True)
+    load_error = models.TextField(blank=True, default="")
+    fetched_blocks = models.PositiveIntegerField(default=0)
+    fetched_octets = models.PositiveBigIntegerField(default=0)
+    released_blocks = models.PositiveIntegerField(default=0)
+    received_at = models.DateTimeField()
+    decided_at = models.DateTimeField(null=True, blank=True)
+    # When nothing is left to do: discarded (abort), or every release done (commit).
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["instance", "map", "to_version"], name="node_reshard_move"
+            )
+        ]
+        indexes = [models.Index(fields=["instance", "phase"])]
+        ordering = ["-received_at"]
+
+    def __str__(self) -> str:
+        return f"{self.map} -> v{self.to_version} at {self.instance} ({self.phase})"

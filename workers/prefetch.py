@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _LinkSample:
+class LinkSample:
     """What one directive saw of one source, folded into the measured link at the end: the
     quickest response head of its GETs as the round trip, and the octets over the time spent
     receiving them as the rate (per connection: loads running side by side each count)."""
@@ -87,7 +87,7 @@ class DirectiveRun:
         self.loaded: set[str] = set()
         self.failure: _Failure | None = None
         self.deadline_hit = False
-        self.links: dict[str, _LinkSample] = {}
+        self.links: dict[str, LinkSample] = {}
         # Leases taken ahead at a source for every block that lists it first: source -> lease.
         self.leases: dict[str, fetch.Lease] = {}
         self._lock = threading.Lock()
@@ -291,7 +291,7 @@ class DirectiveRun:
                 fetch.release_lease(client, lease)
             close_old_connections()
         with self._lock:
-            self.links.setdefault(source, _LinkSample()).add(fetched)
+            self.links.setdefault(source, LinkSample()).add(fetched)
         return None
 
     # -- the end -------------------------------------------------------------------------------

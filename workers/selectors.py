@@ -33,16 +33,31 @@ def node_name() -> str:
 
 
 def stored_block(name: str, compat_id: bytes, scope_id: bytes, block_key: bytes):
+    """The block's row, held or pending for a reshard move."""
     return StoredBlock.objects.filter(
         instance=name, compat_id=compat_id, scope_id=scope_id, block_key=block_key
     ).first()
+
+
+def held_blocks(name: str):
+    """The node's replicas: its blocks but those pending for a reshard move (6.9), which are
+    not replicas until the move commits."""
+    return StoredBlock.objects.filter(instance=name, pending_move__isnull=True)
+
+
+def held_block(name: str, compat_id: bytes, scope_id: bytes, block_key: bytes):
+    return (
+        held_blocks(name)
+        .filter(compat_id=compat_id, scope_id=scope_id, block_key=block_key)
+        .first()
+    )
 
 
 def block_for_reader(principal, compat_id: bytes, scope_id: bytes, block_key: bytes):
     """The held block, or None for a miss or a scope the principal may not read (alike)."""
     if not may_read_scope(principal, scope_id):
         return None
-    return stored_block(node_name(), compat_id, scope_id, block_key)
+    return held_block(node_name(), compat_id, scope_id, block_key)
 
 
 def touch(block: StoredBlock, now: datetime | None = None) -> None:
@@ -53,9 +68,11 @@ def touch(block: StoredBlock, now: datetime | None = None) -> None:
 
 
 def held_keys(name: str, compat_id: bytes, scope_id: bytes, keys: list[bytes]) -> set[bytes]:
-    found = StoredBlock.objects.filter(
-        instance=name, compat_id=compat_id, scope_id=scope_id, block_key__in=keys
-    ).values_list("block_key", flat=True)
+    found = (
+        held_blocks(name)
+        .filter(compat_id=compat_id, scope_id=scope_id, block_key__in=keys)
+        .values_list("block_key", flat=True)
+    )
     return {bytes(key) for key in found}
 
 

@@ -1,6 +1,6 @@
 """Writes of the node: admitting blocks to the tier store and evicting them (6.1, 6.7), leases
-(6.6), prefetch directives (6.5), the instance's state and epoch (6.3), and the upkeep of its
-Replica Records.
+(6.6), prefetch directives (6.5), reshard moves (6.9), the instance's state and epoch (6.3),
+and the upkeep of its Replica Records.
 
 Every change to which blocks the node holds, and every lease, happens with the node's row locked
 (``select_for_update``), so no eviction races a lease or another placement. An evicted replica
@@ -9,6 +9,12 @@ is published as soon as the change is committed, outside the lock (a round trip 
 hold up every other placement), and then checked under the lock: a block that left meanwhile
 has its record withdrawn again, one that moved again is published again, so the IS is never
 left describing a state the node has left.
+
+A block fetched for a reshard move still preparing is pending (``StoredBlock.pending_move``): it
+takes room and is never evicted, but it is not a replica yet, so it is not published, served or
+leased. The move's commit makes it held and publishes it; its abort discards it. Anything else
+that asks the node to hold a pending block (a prefetch, a PUT, an engine's export) makes it
+held at once, so that an abort never takes a block somebody else wanted.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, transaction
+from django.db.models import F
 from django.utils import timezone
 
 from index.authz import may_read_scope
@@ -32,7 +40,7 @@ from kvsp.container import Container
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirective
 from kvsp.registries import RAW_CODEC, lookup_codec
-from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from kvsp.states import INSTANCE_LIFECYCLE, RESHARD_PHASES, InstanceEvent, ReshardEvent
 from kvspsite.celery import instance_queue
 from kvspsite.peers import PeerUnreachable
 from workers import control, selectors, tiers
@@ -40,9 +48,11 @@ from workers.models import (
     Directive,
     Lease,
     MeasuredLink,
+    MovePhase,
     Node,
     NodeState,
     PendingWithdrawal,
+    ReshardMove,
     ServedSession,
     ServedSessionState,
     StoredBlock,
@@ -52,6 +62,8 @@ log = logging.getLogger(__name__)
 
 # After a failed publish, the next attempt.
 PUBLISH_RETRY = timedelta(seconds=5)
+# Records published at the same time by ``publish_all``.
+PUBLISH_PARALLEL = 8
 # A file in a tier directory with no row younger than this may belong to a placement still in
 # its transaction.
 ORPHAN_GRACE_S = 300
@@ -67,7 +79,9 @@ def ensure_node(name: str) -> Node:
     return node
 
 
-def _lock_node(name: str) -> Node:
+def lock_node(name: str) -> Node:
+    """The node's row, locked until the transaction ends: every change to which blocks the
+    node holds, and every lease, happens under it."""
     node = Node.objects.select_for_update().filter(name=name).first()
     if node is None:
         ensure_node(name)
@@ -106,11 +120,11 @@ def publish_current(pk: int) -> bool:
     True when the IS has the current record."""
     for _ in range(3):
         block = StoredBlock.objects.filter(pk=pk).first()
-        if block is None:
-            return False
+        if block is None or block.pending_move_id is not None:
+            return False  # gone, or not a replica yet: its move's commit publishes it
         published = _publish(block)
         with transaction.atomic():
-            _lock_node(block.instance)
+            lock_node(block.instance)
             current = StoredBlock.objects.filter(pk=pk).first()
             if current is None:
                 if published:
@@ -119,6 +133,22 @@ def publish_current(pk: int) -> bool:
             if _residency_key(current) == _residency_key(block):
                 return published
     return False
+
+
+def publish_all(pks: list[int]) -> int:
+    """Publish the records of many blocks, PUBLISH_PARALLEL at a time (see
+    ``publish_current``); how many the IS has now."""
+
+    def publish(pk: int) -> bool:
+        try:
+            return publish_current(pk)
+        finally:
+            connections.close_all()
+
+    if len(pks) <= 1:
+        return sum(publish_current(pk) for pk in pks)
+    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(pks))) as pool:
+        return sum(pool.map(publish, pks))
 
 
 def _publish_on_commit(block: StoredBlock) -> None:
@@ -151,6 +181,13 @@ def _leased_block_ids(name: str, now: datetime) -> set[int]:
             "pk", flat=True
         )
     )
+
+
+def _protected_block_ids(name: str, now: datetime) -> set[int]:
+    """Blocks no eviction may take: leased ones (6.6), and those pending for a reshard move
+    (the node acknowledged the plan on the strength of them)."""
+    pending = StoredBlock.objects.filter(instance=name, pending_move__isnull=False)
+    return _leased_block_ids(name, now) | set(pending.values_list("pk", flat=True))
 
 
 def _evict(block: StoredBlock, reason: str, now: datetime) -> None:
@@ -197,13 +234,13 @@ class _Disk:
         if self.used + needed <= self.cap:
             return True
         if self._victims is None:
-            leased = _leased_block_ids(self._name, self._now)
+            protected = _protected_block_ids(self._name, self._now)
             self._victims = [
                 block
                 for block in StoredBlock.objects.filter(
                     instance=self._name, tier=tiers.DISK
                 ).order_by("last_access", "pk")
-                if block.pk not in leased
+                if block.pk not in protected
             ]
         while self.used + needed > self.cap and len(self.evict) < len(self._victims):
             victim = self._victims[len(self.evict)]
@@ -270,7 +307,9 @@ class BlockFields:
         )
 
 
-def _stored_block(name: str, ids: BlockIds, fields: BlockFields, tier: str, now) -> StoredBlock:
+def _stored_block(
+    name: str, ids: BlockIds, fields: BlockFields, tier: str, now, pending_move_id=None
+) -> StoredBlock:
     return StoredBlock(
         instance=name,
         compat_id=ids[0],
@@ -287,7 +326,16 @@ def _stored_block(name: str, ids: BlockIds, fields: BlockFields, tier: str, now)
         stored_at=now,
         last_access=now,
         refresh_due_at=now,
+        pending_move_id=pending_move_id,
     )
+
+
+def _hold_pending(block: StoredBlock) -> None:
+    """A pending block becomes held: a replica like any other, published once committed."""
+    block.pending_move = None
+    block.refresh_due_at = timezone.now()
+    block.save(update_fields=["pending_move", "refresh_due_at"])
+    _publish_on_commit(block)
 
 
 def _place_locked(
@@ -299,11 +347,18 @@ def _place_locked(
     exists_ok: bool,
     device: Callable[[], tiers.DeviceAdmission] | None,
     placed: list[Path],
+    pending_move_id: int | None = None,
 ) -> tuple[StoredBlock, bool]:
     """Place one received block, inside a transaction that holds the node's lock; the file
-    it puts in place is added to ``placed`` (the caller removes it if the transaction fails)."""
+    it puts in place is added to ``placed`` (the caller removes it if the transaction fails).
+
+    With ``pending_move_id`` the block is placed pending for that reshard move and not
+    published. An existing pending copy serves any other caller, and becomes held."""
     existing = selectors.stored_block(name, *ids)
     if existing is not None:
+        if existing.pending_move_id is not None and pending_move_id is None:
+            _hold_pending(existing)
+            return existing, False
         if exists_ok:
             return existing, False
         raise ProtocolError(
@@ -322,7 +377,7 @@ def _place_locked(
     placed.append(path)
     for victim in plan.evict:
         _evict(victim, "evicted for room (least recently used, unleased)", now)
-    block = _stored_block(name, ids, fields, tier, now)
+    block = _stored_block(name, ids, fields, tier, now, pending_move_id)
     block.save(force_insert=True)
     PendingWithdrawal.objects.filter(
         instance=name, compat_id=ids[0], scope_id=ids[1], block_key=ids[2]
@@ -349,7 +404,7 @@ def _admit(
     placed: list[Path] = []
     try:
         with transaction.atomic():
-            _lock_node(name)
+            lock_node(name)
             block, created = _place_locked(
                 name, ids, spool, fields, exists_ok=exists_ok, device=device, placed=placed
             )
@@ -393,10 +448,16 @@ def check_container(container: Container, compat_id: bytes) -> None:
 
 
 def do_store_block(ids: BlockIds, spool: Path, container: Container, repr_sha256: bytes):
-    """PUT on a block resource with If-None-Match: * (6.7): 412 when a replica exists."""
+    """PUT on a block resource with If-None-Match: * (6.7): 412 when a replica exists (a copy
+    pending for a reshard move is kept too, and held from then on)."""
     check_container(container, ids[0])
     fields = BlockFields.of(container, repr_sha256, threads=2)
-    block, _ = _admit(selectors.node_name(), ids, spool, fields, exists_ok=False)
+    block, created = _admit(selectors.node_name(), ids, spool, fields, exists_ok=False)
+    if not created:
+        raise ProtocolError(
+            "kvsp-precondition-failed",
+            "this holder already has a replica of the block and keeps its copy",
+        )
     return block
 
 
@@ -423,7 +484,7 @@ def do_store_exported(blocks: list[tuple[BlockIds, object]], token_count: int) -
     placed: list[Path] = []
     try:
         with transaction.atomic():
-            _lock_node(name)
+            lock_node(name)
             stored = _place_many_locked(name, prepared, placed)
         placed.clear()
         return stored
@@ -438,12 +499,15 @@ def _place_many_locked(name: str, prepared: list, placed: list[Path]) -> list[in
     """Place received blocks under the node's lock (see ``_place_locked``); the ids of the rows
     newly stored. When they all fit in the host tier as it is, nothing moves or leaves, and
     they go in with a few statements in all rather than a few each."""
-    held = {
-        (bytes(compat_id), bytes(scope_id), bytes(key))
-        for compat_id, scope_id, key in StoredBlock.objects.filter(
-            instance=name, block_key__in=[ids[2] for ids, _, _ in prepared]
-        ).values_list("compat_id", "scope_id", "block_key")
-    }
+    existing = StoredBlock.objects.filter(
+        instance=name, block_key__in=[ids[2] for ids, _, _ in prepared]
+    )
+    wanted = {ids for ids, _, _ in prepared}
+    held = set()
+    for block in existing:
+        if block.ids in wanted and block.pending_move_id is not None:
+            _hold_pending(block)
+        held.add(block.ids)
     fresh, seen = [], set()
     for item in prepared:
         if item[0] not in held and item[0] not in seen:
@@ -513,7 +577,7 @@ def do_evict_after_fault(block: StoredBlock, reason: str) -> bool:
     confirmed under the node's lock, since a move to another tier looks alike from outside.
     True when the block was dropped."""
     with transaction.atomic():
-        _lock_node(block.instance)
+        lock_node(block.instance)
         current = StoredBlock.objects.filter(pk=block.pk).first()
         if current is None or _intact(current):
             return False
@@ -558,7 +622,9 @@ def do_refresh_replicas(name: str, *, limit: int = 500) -> int:
     """Publish the records that are due (half way through their TTL, or changed)."""
     now = timezone.now()
     due = list(
-        StoredBlock.objects.filter(instance=name, refresh_due_at__lte=now)
+        StoredBlock.objects.filter(
+            instance=name, refresh_due_at__lte=now, pending_move__isnull=True
+        )
         .order_by("refresh_due_at")
         .values_list("pk", flat=True)[:limit]
     )
@@ -569,12 +635,12 @@ def do_retry_withdrawals(name: str, *, limit: int = 100) -> int:
     done = 0
     for pk in PendingWithdrawal.objects.filter(instance=name).values_list("pk", flat=True)[:limit]:
         with transaction.atomic():
-            _lock_node(name)
+            lock_node(name)
             owed = PendingWithdrawal.objects.filter(pk=pk).first()
             if owed is None:
                 continue
             ids = (bytes(owed.compat_id), bytes(owed.scope_id), bytes(owed.block_key))
-            if selectors.stored_block(name, *ids) is not None:
+            if selectors.held_block(name, *ids) is not None:
                 owed.delete()  # held again: its record is the current one
                 continue
             try:
@@ -635,12 +701,12 @@ def do_create_lease(principal, request: LeaseRequest) -> LeaseGrant:
         raise ProtocolError("kvsp-not-found", f"{selectors.MISS_DETAIL} {keys[0].hex()}")
     _check_ttl(request.ttl_ms)
     with transaction.atomic():
-        _lock_node(name)
+        lock_node(name)
         now = timezone.now()
         blocks = {
             bytes(block.block_key): block
-            for block in StoredBlock.objects.filter(
-                instance=name, compat_id=compat_id, scope_id=scope_id, block_key__in=keys
+            for block in selectors.held_blocks(name).filter(
+                compat_id=compat_id, scope_id=scope_id, block_key__in=keys
             )
         }
         for key in keys:
@@ -694,9 +760,10 @@ def do_renew_lease(principal, lease_id: str, renewal: LeaseRenewal) -> LeaseGran
 
 
 def do_release_lease(principal, lease_id: str) -> None:
-    """DELETE leases/{id} (6.6)."""
+    """DELETE leases/{id} (6.6); a release a reshard owes for a block it covered is done now."""
     with transaction.atomic():
         _owned_lease(principal, lease_id, timezone.now()).delete()
+    do_release_owed(selectors.node_name())
 
 
 def do_delete_expired_leases(name: str) -> int:
@@ -739,6 +806,284 @@ def do_accept_directive(directive: PrefetchDirective) -> Directive:
     return row
 
 
+# --- Reshard moves (6.9) --------------------------------------------------------------------------
+
+
+def _move_locked(name: str, map_id: str, to_version: int) -> ReshardMove | None:
+    return (
+        ReshardMove.objects.select_for_update()
+        .filter(instance=name, map=map_id, to_version=to_version)
+        .first()
+    )
+
+
+def _decided_without_plan(name: str, map_id: str, to_version: int, phase: str) -> ReshardMove:
+    """A commit or abort for a move this node never had a plan of: recorded, with nothing to
+    do, so that the opposite decision arriving later is refused as the phases say."""
+    now = timezone.now()
+    return ReshardMove.objects.create(
+        instance=name,
+        map=map_id,
+        to_version=to_version,
+        phase=phase,
+        received_at=now,
+        decided_at=now,
+        finished_at=now,
+    )
+
+
+@dataclass(frozen=True)
+class MoveBlocks:
+    """What a plan asks of this node's tier store, by Block Key: the blocks of its fetch
+    ranges, of its retain ranges and of its release ranges."""
+
+    compat_id: bytes
+    scope_id: bytes
+    fetch: tuple[bytes, ...]
+    retain: tuple[bytes, ...]
+    release: tuple[bytes, ...]
+
+
+def do_receive_plan(
+    map_id: str,
+    from_version: int,
+    to_version: int,
+    document: dict,
+    blocks: MoveBlocks | None,
+    deadline_ms: int,
+) -> tuple[ReshardMove, bool]:
+    """Record a reshard plan (6.9), or find it recorded: a repeat is the same move. True when
+    its fetch ranges are to be loaded now: a new plan with something to fetch, or a repeat that
+    finds loading failed or stopped (a run still loading finishes alone).
+
+    A plan whose blocks the node already holds is loaded at once. A plan for a move decided
+    already, or another plan for the same move, is refused.
+    """
+    name = selectors.node_name()
+    now = timezone.now()
+    deadline_at = now + timedelta(milliseconds=deadline_ms)
+    with transaction.atomic():
+        lock_node(name)
+        move = _move_locked(name, map_id, to_version)
+        if move is not None:
+            if move.phase != MovePhase.PREPARING:
+                raise ProtocolError(
+                    "kvsp-invalid-state",
+                    f"the move of {map_id} to version {to_version} is {move.phase} here; "
+                    "its plan comes too late",
+                )
+            if move.plan != document:
+                raise ProtocolError(
+                    "kvsp-conflict",
+                    f"another plan for the move of {map_id} to version {to_version} was "
+                    "received before",
+                )
+            if move.loaded_at is not None:
+                return move, False
+            move.deadline_at, move.load_error = deadline_at, ""
+            move.save(update_fields=["deadline_at", "load_error"])
+            return move, True
+        fetch = blocks.fetch if blocks is not None else ()
+        held = (
+            selectors.held_keys(name, blocks.compat_id, blocks.scope_id, list(fetch))
+            if fetch
+            else set()
+        )
+        move = ReshardMove.objects.create(
+            instance=name,
+            map=map_id,
+            from_version=from_version,
+            to_version=to_version,
+            plan=document,
+            compat_id=None if blocks is None else blocks.compat_id,
+            scope_id=None if blocks is None else blocks.scope_id,
+            fetch_keys=[key.hex() for key in fetch],
+            release_keys=[] if blocks is None else [key.hex() for key in blocks.release],
+            deadline_at=deadline_at,
+            loaded_at=now if held >= set(fetch) else None,
+            received_at=now,
+        )
+        if blocks is not None:
+            _keep_wanted(name, map_id, {key.hex() for key in (*blocks.fetch, *blocks.retain)})
+    return move, move.loaded_at is None
+
+
+def _keep_wanted(name: str, map_id: str, wanted: set[str]) -> None:
+    """A block an earlier move of the map still owes a release of (a lease held it) that this
+    move wants again stays: the release was for a version that is being left."""
+    for earlier in ReshardMove.objects.select_for_update().filter(
+        instance=name, map=map_id, phase=MovePhase.COMMITTED, finished_at__isnull=True
+    ):
+        remaining = [key for key in earlier.owed_release if key not in wanted]
+        if remaining != earlier.owed_release:
+            earlier.owed_release = remaining
+            if not remaining:
+                earlier.finished_at = timezone.now()
+            earlier.save(update_fields=["owed_release", "finished_at"])
+
+
+def do_store_pending(move_id: int, ids: BlockIds, parts, fields: BlockFields) -> bool:
+    """Admit a block fetched for a reshard move, pending for it; a block the node holds already
+    stays as it is. False when the move is no longer preparing (decided while the block
+    travelled): nothing is kept."""
+    name = selectors.node_name()
+    spool = tiers.write_spool(name, parts)
+    placed: list[Path] = []
+    try:
+        with transaction.atomic():
+            lock_node(name)
+            move = ReshardMove.objects.filter(pk=move_id, phase=MovePhase.PREPARING).first()
+            if move is None:
+                return False
+            _, created = _place_locked(
+                name,
+                ids,
+                spool,
+                fields,
+                exists_ok=True,
+                device=None,
+                placed=placed,
+                pending_move_id=move_id,
+            )
+            if created:
+                ReshardMove.objects.filter(pk=move_id).update(
+                    fetched_blocks=F("fetched_blocks") + 1,
+                    fetched_octets=F("fetched_octets") + fields.size,
+                )
+        placed.clear()
+        return True
+    finally:
+        tiers.unlink_quietly(spool)
+        for path in placed:
+            tiers.unlink_quietly(path)
+
+
+def do_finish_loading(move_id: int, error: str = "") -> None:
+    """Loading of a preparing move ended: every fetch range loaded, or ``error`` says why not."""
+    moves = ReshardMove.objects.filter(
+        pk=move_id, phase=MovePhase.PREPARING, loaded_at__isnull=True
+    )
+    if error:
+        moves.update(load_error=error)
+    else:
+        moves.update(loaded_at=timezone.now(), load_error="")
+
+
+def do_commit_move(map_id: str, to_version: int) -> ReshardMove:
+    """POST reshard {"map", "commit": v+1} (6.9): the blocks fetched for the move become held
+    and are published; then the release ranges are released (``do_release_owed``). A repeated
+    commit changes nothing; a commit after an abort is refused (``RESHARD_PHASES``)."""
+    name = selectors.node_name()
+    with transaction.atomic():
+        lock_node(name)
+        move = _move_locked(name, map_id, to_version)
+        if move is None:
+            return _decided_without_plan(name, map_id, to_version, MovePhase.COMMITTED)
+        phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.COMMIT)
+        fetched = []
+        if move.phase == MovePhase.PREPARING:
+            now = timezone.now()
+            pending = StoredBlock.objects.filter(pending_move=move)
+            fetched = list(pending.values_list("pk", flat=True))
+            pending.update(pending_move=None, refresh_due_at=now)
+            move.phase, move.decided_at = phase, now
+            move.owed_release = list(move.release_keys)
+            if not move.owed_release:
+                move.finished_at = now
+            move.save()
+    # A record that cannot be published now is due at once: the keeper publishes it.
+    publish_all(fetched)
+    do_release_owed(name, move.pk)
+    move.refresh_from_db()
+    return move
+
+
+def do_abort_move(map_id: str, to_version: int) -> ReshardMove:
+    """POST reshard {"map", "abort": v+1} (6.9): what was fetched for the move is discarded,
+    nothing is released. A repeated abort changes nothing; an abort after a commit is refused
+    (``RESHARD_PHASES``)."""
+    name = selectors.node_name()
+    with transaction.atomic():
+        lock_node(name)
+        move = _move_locked(name, map_id, to_version)
+        if move is None:
+            return _decided_without_plan(name, map_id, to_version, MovePhase.ABORTED)
+        phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.ABORT)
+        if move.phase == MovePhase.PREPARING:
+            _discard_pending(name, move)
+            move.phase = phase
+            move.decided_at = move.finished_at = timezone.now()
+            move.save(update_fields=["phase", "decided_at", "finished_at"])
+    return move
+
+
+def _discard_pending(name: str, move: ReshardMove) -> None:
+    """Forget the blocks pending for ``move``. They were never published, so there is nothing
+    to withdraw; a block another move still preparing wants passes to that move instead."""
+    wanted = {
+        key: other.pk
+        for other in ReshardMove.objects.filter(instance=name, phase=MovePhase.PREPARING).exclude(
+            pk=move.pk
+        )
+        for key in other.fetch_keys
+    }
+    for block in StoredBlock.objects.filter(pending_move=move):
+        other = wanted.get(block.block_key_hex)
+        if other is not None:
+            block.pending_move_id = other
+            block.save(update_fields=["pending_move"])
+            continue
+        path = tiers.stored_path(block)
+        block.delete()
+        transaction.on_commit(lambda path=path: tiers.unlink_quietly(path), robust=True)
+
+
+def do_release_owed(name: str, move_id: int | None = None) -> int:
+    """Release what committed moves owe (6.9: "instances release the ranges listed in
+    release"): each block is withdrawn and evicted, unless a lease covers it (6.6), in which
+    case it stays owed until the lease ends. Returns how many blocks were released."""
+    moves = ReshardMove.objects.filter(
+        instance=name, phase=MovePhase.COMMITTED, finished_at__isnull=True
+    )
+    if move_id is not None:
+        moves = moves.filter(pk=move_id)
+    released = 0
+    for pk in moves.values_list("pk", flat=True):
+        with transaction.atomic():
+            lock_node(name)
+            move = ReshardMove.objects.select_for_update().get(pk=pk)
+            if move.finished_at is not None:
+                continue
+            now = timezone.now()
+            leased = _leased_block_ids(name, now)
+            blocks = {
+                block.block_key_hex: block
+                for block in selectors.held_blocks(name).filter(
+                    compat_id=move.compat_id,
+                    scope_id=move.scope_id,
+                    block_key__in=[bytes.fromhex(key) for key in move.owed_release],
+                )
+            }
+            owed = []
+            for key in move.owed_release:
+                block = blocks.get(key)
+                if block is None:
+                    continue  # gone already (evicted meanwhile): nothing to release
+                if block.pk in leased:
+                    owed.append(key)
+                    continue
+                _evict(
+                    block, f"released by the move of {move.map} to version {move.to_version}", now
+                )
+                move.released_blocks += 1
+                released += 1
+            move.owed_release = owed
+            if not owed:
+                move.finished_at = now
+            move.save(update_fields=["owed_release", "released_blocks", "finished_at"])
+    return released
+
+
 # --- The instance: state, epoch, links (6.3) -----------------------------------------------------
 
 
@@ -754,7 +1099,7 @@ def do_set_state(state: object) -> Node:
 def do_apply_pc_state(name: str, state: str) -> Node:
     """The PC's decision, from PUT state or from its answer to a status report."""
     with transaction.atomic():
-        node = _lock_node(name)
+        node = lock_node(name)
         if state in NodeState.values and node.state != state:
             log.info("node %s: %s -> %s (the PC's decision)", name, node.state, state)
             node.state = state
@@ -775,7 +1120,7 @@ def do_enter_sleep_if_drained(name: str, in_flight: int) -> Node:
     finished count too, whether their task is running or still on its way.
     """
     with transaction.atomic():
-        node = _lock_node(name)
+        node = lock_node(name)
         if node.state == NodeState.DRAINING and in_flight == 0:
             in_flight = ServedSession.objects.filter(
                 instance=name, state__in=IN_FLIGHT_SESSION_STATES
@@ -792,7 +1137,7 @@ def do_begin_incarnation(name: str, *, now_ms: int | None = None) -> int:
     than the last epoch when the clock says less (a clock that moved back)."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     with transaction.atomic():
-        node = _lock_node(name)
+        node = lock_node(name)
         node.epoch = max(now_ms, node.epoch + 1)
         node.started_at = timezone.now()
         node.save(update_fields=["epoch", "started_at"])

@@ -127,7 +127,7 @@ class StatusReporter(_Loop):
 
 class Keeper(_Loop):
     """Refreshes records, delivers owed withdrawals, forgets expired leases and stale working
-    copies."""
+    copies, and releases the blocks reshard moves owe once their leases have ended."""
 
     def __init__(self, runtime):
         super().__init__(runtime, "kvsp-keeper")
@@ -140,5 +140,6 @@ class Keeper(_Loop):
         services.do_refresh_replicas(name)
         services.do_retry_withdrawals(name)
         services.do_delete_expired_leases(name)
+        services.do_release_owed(name)
         if self.runtime.device_tier is not None:
             services.do_sync_device_tier(name, self.runtime.device_tier)

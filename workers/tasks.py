@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvsp.problems import ProtocolError
 from kvspsite.celery import kvsp_task
-from workers import generation, runtime
+from workers import generation, resharding, runtime
 from workers import prefetch as prefetching
 
 
@@ -14,6 +14,13 @@ def prefetch(directive_pk: int) -> str:
     """Carry out a prefetch directive (spec 6.5); a finished one is left as it is."""
     node = runtime.current()
     return prefetching.run_directive(directive_pk, node.device_tier if node else None)
+
+
+@kvsp_task(name="workers.load_reshard", max_retries=3, time_limit=900)
+def load_reshard(move_pk: int) -> str:
+    """Load the fetch ranges of a reshard plan (spec 6.9); a move loaded or decided already is
+    left as it is."""
+    return resharding.load(move_pk)
 
 
 @kvsp_task(name="workers.measure_engine", ignore_result=False, max_retries=0, time_limit=120)

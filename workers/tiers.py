@@ -348,7 +348,11 @@ class TierStore:
         from workers.models import StoredBlock
 
         return StoredBlock.objects.filter(
-            instance=self.instance, compat_id=compat_id, scope_id=scope_id, block_key=block_key
+            instance=self.instance,
+            compat_id=compat_id,
+            scope_id=scope_id,
+            block_key=block_key,
+            pending_move__isnull=True,
         ).first()
 
     @contextmanager

@@ -35,5 +35,5 @@ def test_local_cluster_short_run(tmp_path):
     assert summary["ttft_cached_ms"] > 0 and summary["ttft_cold_ms"] > 0
     assert summary["failover_ms"] > 0
     assert summary["failover_indices_once"] is True
-    assert summary["reshard"] in ("committed", "aborted")
+    assert summary["reshard"] == "committed"
     assert "KVSP local cluster" in result.stdout

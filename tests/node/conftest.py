@@ -108,6 +108,8 @@ class Cluster:
     tokens: dict[str, str]
     nodes: dict[str, Node]
     model_dir: Path
+    # The Placement Controller's worker (queue ``control``), for tests that crash it.
+    control_worker: Worker | None = None
 
     def control(self, who: str = "controller") -> Api:
         return Api(self.cp_url, self.tokens[who])
@@ -202,6 +204,7 @@ def cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path_fact
             tokens=tokens,
             nodes=nodes,
             model_dir=model_dir,
+            control_worker=cp_worker,
         )
     finally:
         for node in nodes.values():

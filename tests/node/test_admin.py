@@ -20,6 +20,7 @@ MODELS = (
     "pendingwithdrawal",
     "measuredlink",
     "servedsession",
+    "reshardmove",
 )
 
 

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from placement import resharding
 from placement.models import ReshardOperation, ShardMap
-from tests.support.fixtures import body, make_caller, problem_name
+from tests.support.fixtures import body, make_caller, problem_name, random_key
 from tests.support.standin import StandinNode
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -179,3 +179,130 @@ def test_reshard_requests_are_validated(controller):
         ).status_code
         == 404
     )
+
+
+# --- Shard maps with a context: which blocks each plan's ranges are -------------------------
+
+
+def context(keys, block_tokens=16, **members):
+    return {
+        "scope_id": "ab" * 16,
+        "compat_id": "cd" * 32,
+        "block_tokens": block_tokens,
+        "block_keys": keys,
+        **members,
+    }
+
+
+def test_plans_name_the_blocks_of_their_ranges(controller, worker):
+    keys = [random_key() for _ in range(8)]  # 8 blocks of 16 tokens: tokens [0, 128)
+    with StandinNode() as one, StandinNode() as two, StandinNode() as three:
+        v1 = shard_map(1, ((0, 64), one.url), ((64, 128), two.url))
+        v1["context"] = context(keys)
+        assert controller.put("/kvsp/shardmaps/ctx-1", v1).status_code == 201
+        assert body(controller.get("/kvsp/shardmaps/ctx-1"))["context"] == context(keys)
+        next_shards = shard_map(0, ((0, 48), one.url), ((48, 96), three.url), ((96, 128), two.url))[
+            "shards"
+        ]
+        response = controller.post(
+            "/kvsp/shardmaps/ctx-1/reshard", {"shards": next_shards, "deadline_ms": 5000}
+        )
+        assert response.status_code == 202, response.content
+        wait_until(lambda: ReshardOperation.objects.get().finished_at is not None, "finished")
+        sent = {node.url: node.received("POST", "/kvsp/reshard")[0] for node in (one, two, three)}
+    identity = {"scope_id": "ab" * 16, "compat_id": "cd" * 32, "block_tokens": 16}
+    # one keeps blocks 0-2 and releases block 3; three fetches block 3 from one and blocks 4-5
+    # from two; two keeps blocks 6-7 and releases 4-5.
+    assert sent[one.url]["retain"] == [[0, 48]] and sent[one.url]["release"] == [[48, 64]]
+    assert sent[one.url]["blocks"] == {str(i): keys[i] for i in range(4)}
+    assert sent[three.url]["fetch"] == [
+        {"tokens": [48, 64], "from": one.url},
+        {"tokens": [64, 96], "from": two.url},
+    ]
+    assert sent[three.url]["blocks"] == {str(i): keys[i] for i in (3, 4, 5)}
+    assert sent[two.url]["blocks"] == {str(i): keys[i] for i in (4, 5, 6, 7)}
+    for plan in sent.values():
+        assert {name: plan[name] for name in identity} == identity
+    current = body(controller.get("/kvsp/shardmaps/ctx-1"))
+    assert current["version"] == 2 and current["context"] == context(keys)
+
+
+def test_a_reshard_may_extend_the_context(controller):
+    keys = [random_key() for _ in range(6)]
+    with StandinNode() as one, StandinNode() as two:
+        v1 = shard_map(1, ((0, 64), one.url))
+        v1["context"] = context(keys[:4])
+        controller.put("/kvsp/shardmaps/ctx-1", v1)
+        next_shards = shard_map(0, ((0, 32), one.url), ((32, 96), two.url))["shards"]
+        # Past the map's keyed blocks without a longer context: refused.
+        refused = controller.post(
+            "/kvsp/shardmaps/ctx-1/reshard", {"shards": next_shards, "deadline_ms": 9000}
+        )
+        assert problem_name(refused) == "kvsp-invalid-record"
+        assert "past the 64 tokens" in body(refused)["detail"]
+        other = context([random_key()] + keys[1:])
+        refused = controller.post(
+            "/kvsp/shardmaps/ctx-1/reshard",
+            {"shards": next_shards, "deadline_ms": 9000, "context": other},
+        )
+        assert "must extend the map's context" in body(refused)["detail"]
+        assert not ReshardOperation.objects.exists()
+        accepted = controller.post(
+            "/kvsp/shardmaps/ctx-1/reshard",
+            {"shards": next_shards, "deadline_ms": 9000, "context": context(keys)},
+        )
+        assert accepted.status_code == 202, accepted.content
+        plans = {plan["instance"]: plan for plan in body(accepted)["plans"]}
+        # Tokens [64, 96) are in no shard of version 1: nobody fetches them, two computes them.
+        assert plans[two.url]["fetch"] == [{"tokens": [32, 64], "from": one.url}]
+        assert plans[two.url]["blocks"] == {"2": keys[2], "3": keys[3]}
+        operation = ReshardOperation.objects.get()
+        ReshardOperation.objects.filter(pk=operation.pk).update(acknowledged=[one.url, two.url])
+        assert resharding.drive(operation.pk) == []
+    assert ShardMap.objects.get().context == context(keys)
+
+
+@pytest.mark.django_db
+def test_a_context_is_validated(controller):
+    from index.services import do_register_descriptor
+    from kvsp.compat import compat_id_hex
+    from tests.placement.conftest import DESCRIPTOR
+
+    url = "http://ii1.test/kvsp/"
+    keys = [random_key() for _ in range(4)]
+    compat = compat_id_hex(DESCRIPTOR)  # block_tokens 16
+    do_register_descriptor(DESCRIPTOR, compat)
+
+    def put(ctx, shards=((0, 64),)):
+        document = shard_map(1, *((tokens, url) for tokens in shards))
+        document["context"] = ctx
+        return controller.put("/kvsp/shardmaps/ctx-1", document)
+
+    for ctx, shards, detail in [
+        (context(keys, scope_id="AB" * 16), ((0, 64),), "context.scope_id: must be hex16"),
+        (context(keys, compat_id="cd" * 31), ((0, 64),), "context.compat_id: must be hex32"),
+        (context(keys, block_tokens=0), ((0, 64),), "context.block_tokens: must be an integer"),
+        (context([]), ((0, 64),), "context.block_keys: must be an array of 1 to"),
+        (context([*keys[:3], "x"]), ((0, 64),), "context.block_keys[3]: must be hex32"),
+        (context(keys), ((0, 40), (40, 64)), "shards[0].tokens: must start and end on a block"),
+        (context(keys), ((0, 80),), "shards[0].tokens: ends at token 80, past the 64 tokens"),
+        (
+            context(keys, block_tokens=8, compat_id=compat),
+            ((0, 32),),
+            "context.block_tokens: is 8; the registered descriptor of compat_id says 16",
+        ),
+        ("ctx", ((0, 64),), "context: must be an object"),
+    ]:
+        response = put(ctx, shards)
+        assert problem_name(response) == "kvsp-invalid-record", (ctx, response.content)
+        assert body(response)["detail"].startswith(detail), body(response)["detail"]
+    assert not ShardMap.objects.exists()
+    assert put(context(keys, compat_id=compat)).status_code == 201
+    assert put(context(keys, compat_id=compat)).status_code == 200  # the same document again
+    assert problem_name(put(context(keys[:3] + keys[:1], compat_id=compat))) == "kvsp-conflict"
+    assert problem_name(put(None)) == "kvsp-conflict"  # the context is part of the document
+    refused = controller.post(
+        "/kvsp/shardmaps/ctx-1/reshard",
+        {"shards": [{"tokens": [0, 24], "instance": url}], "deadline_ms": 100},
+    )
+    assert "shards[0].tokens: must start and end on a block boundary" in body(refused)["detail"]

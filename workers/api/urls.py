@@ -16,4 +16,5 @@ urlpatterns = [
     path("state", views.StateView.as_view(), name="state"),
     path("generate", views.GenerateView.as_view(), name="generate"),
     path("sessions/<str:session>/resume", views.ResumeView.as_view(), name="resume"),
+    path("reshard", views.ReshardView.as_view(), name="reshard"),
 ]

@@ -1,11 +1,12 @@
 """HTTP surface of a node (DESIGN.md section 3): blocks (spec 6.7), leases (6.6), prefetch
-directives (6.5), the instance's state (6.3), session resume (6.8), and this implementation's
-own generation request. Views validate and translate HTTP; the services do the work.
+directives (6.5), the instance's state (6.3), session resume (6.8), resharding (6.9), and this
+implementation's own generation request. Views validate and translate HTTP; the services do the
+work.
 
 Who may call what: blocks and leases need a principal authorized for the scope (a controller
 principal reads every scope), and a scope the caller may not read answers exactly like a miss;
-prefetch, state and resume are the Placement Controller's alone; generate is the controller's or
-a principal's of the prompt's scope.
+prefetch, state, resume and reshard are the Placement Controller's alone; generate is the
+controller's or a principal's of the prompt's scope.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from kvsp.problems import ProtocolError
-from kvsp.records import LeaseRenewal, LeaseRequest, PrefetchDirective
+from kvsp.records import (
+    LeaseRenewal,
+    LeaseRequest,
+    PrefetchDirective,
+    ReshardPlan,
+    parse_reshard_body,
+)
 from kvsp.reprdigest import verify_repr_digest
 from kvspsite.api import (
     KvspBlockParser,
@@ -29,7 +36,7 @@ from kvspsite.api import (
     PlainJSONRenderer,
     ReceivedContainer,
 )
-from workers import selectors, services, serving, sessions, tiers
+from workers import resharding, selectors, services, serving, sessions, tiers
 from workers.models import Directive
 
 _LAYERS = re.compile(r"(\d{1,10})-(\d{1,10})")
@@ -129,7 +136,7 @@ class BlockView(APIView):
                 f"a block body is at most {settings.KVSP_MAX_BLOCK_OCTETS} octets",
             )
         ids = (bytes(compat_id), bytes(scope_id), bytes(block_key))
-        if selectors.stored_block(selectors.node_name(), *ids) is not None:
+        if selectors.held_block(selectors.node_name(), *ids) is not None:
             raise ProtocolError(
                 "kvsp-precondition-failed",
                 "this holder already has a replica of the block and keeps its copy",
@@ -242,3 +249,17 @@ class ResumeView(APIView):
             {"session": str(row.session), "epoch": row.epoch, "state": row.state},
             status=status.HTTP_202_ACCEPTED,
         )
+
+
+class ReshardView(APIView):
+    """POST reshard (6.9): a plan, answered 200 once its fetch ranges are loaded; a commit; or
+    an abort (see ``workers.resharding``)."""
+
+    def post(self, request):
+        _require_controller(request.user)
+        body = parse_reshard_body(request.data)
+        if isinstance(body, ReshardPlan):
+            move = resharding.do_prepare(body, request.data)
+        else:
+            move = resharding.do_decide(body)
+        return Response(resharding.move_json(move))

@@ -1,0 +1,489 @@
+"""Resharding on a node (spec 6.9, DESIGN.md section 3): POST reshard with a plan, a commit or
+an abort, from the Placement Controller.
+
+Which blocks a plan means. Block i of a context covers tokens [i*B, (i+1)*B) and is named by its
+Block Key (4.2), which depends on the whole prefix: token offsets alone do not say which blocks
+a range is. A plan from this implementation's PC therefore carries extension members (4.4:
+peers that do not know them ignore them), taken from its Shard Map's ``context``::
+
+    "scope_id": "<hex16>", "compat_id": "<hex32>", "block_tokens": B,
+    "blocks": {"<block index>": "<hex32>", ...}
+
+with the key of every block its retain, fetch and release ranges cover. Every range then starts
+and ends on a block boundary. A plan with fetch or release ranges and without these members is
+refused (422): the node could not tell which blocks to load or let go.
+
+The phases of a move are ``kvsp.states.RESHARD_PHASES``; each move is a row
+(``workers.models.ReshardMove``), so a restarted node answers as before:
+
+- plan: the row, then a task on the instance's queue loads every fetch range from its ``from``
+  member (a lease there, retrieval verified against that holder's Replica Record at the IS,
+  as for a prefetch) into the tier store, pending for the move: kept and never evicted, but not
+  published, served or leased. The request is answered 200 once everything is loaded, or with
+  a problem when loading fails or ``deadline_ms`` passes (the PC counts both as no
+  acknowledgement). Retained ranges are not looked at: their blocks stay where they are, and
+  none of their octets is read, copied or sent. A repeated plan is the same move: answered at
+  once when loaded, loaded again when loading had failed or stopped.
+- commit: the pending blocks become held and are published as replicas; then the release
+  ranges are released, each block withdrawn and evicted, except one a lease covers, which is
+  released when its lease ends. A commit for a move this node has no plan of (its plan never
+  arrived) is recorded and answered 200: there is nothing to do.
+- abort: the pending blocks are discarded (they were never published) and nothing is
+  released. An abort for a move without a plan here is recorded and answered 200, as above.
+
+Commit and abort are idempotent; the opposite one after either is refused with
+``kvsp-invalid-state`` (409) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import close_old_connections, connections
+from django.db.models import Q
+from django.utils import timezone
+
+from kvsp.hexids import is_hex
+from kvsp.problems import ProtocolError
+from kvsp.records import (
+    DEFAULT_LIMITS,
+    UINT32_MAX,
+    InvalidRecord,
+    LeaseRequest,
+    ReplicaRecord,
+    ReshardAbort,
+    ReshardCommit,
+    ReshardPlan,
+    TokenRange,
+)
+from kvspsite.celery import enqueue, instance_queue
+from kvspsite.peers import PeerUnreachable, peer_client
+from workers import control, fetch, services
+from workers.models import MovePhase, ReshardMove, StoredBlock
+from workers.prefetch import LinkSample
+
+log = logging.getLogger(__name__)
+
+# How often a plan's request looks at its move while the worker loads it.
+POLL_S = 0.01
+# The lease a member takes at a source: long enough for any plan's deadline to pass first.
+LEASE_MS = 30_000
+_BLOCK_MEMBERS = ("scope_id", "compat_id", "block_tokens", "blocks")
+
+
+# --- The blocks a plan means ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanBlocks:
+    """A plan's block members (see the module docstring), validated against its ranges."""
+
+    scope_id: str
+    compat_id: str
+    block_tokens: int
+    blocks: dict[int, str]
+
+    @classmethod
+    def of(cls, plan: ReshardPlan, body: dict) -> PlanBlocks | None:
+        """The members of ``body`` (the plan as received), or None when it has none."""
+        if all(body.get(name) is None for name in _BLOCK_MEMBERS):
+            if plan.fetch or plan.release:
+                raise InvalidRecord(
+                    ("blocks",),
+                    "a plan with fetch or release ranges needs the Block Keys of their blocks: "
+                    "the members scope_id, compat_id, block_tokens and blocks (from the Shard "
+                    "Map's context)",
+                )
+            return None
+        scope_id, compat_id = body.get("scope_id"), body.get("compat_id")
+        if not is_hex(scope_id, 16):
+            raise InvalidRecord(("scope_id",), "must be hex16: 32 lowercase hex digits")
+        if not is_hex(compat_id, 32):
+            raise InvalidRecord(("compat_id",), "must be hex32: 64 lowercase hex digits")
+        block_tokens = body.get("block_tokens")
+        if type(block_tokens) is not int or not 1 <= block_tokens <= UINT32_MAX:
+            raise InvalidRecord(("block_tokens",), f"must be an integer from 1 to {UINT32_MAX}")
+        members = body.get("blocks")
+        limit = DEFAULT_LIMITS.max_block_keys
+        if not isinstance(members, dict) or len(members) > limit:
+            raise InvalidRecord(
+                ("blocks",), f"must be an object of at most {limit} block index: Block Key pairs"
+            )
+        blocks = {}
+        for name, key in members.items():
+            if not (name.isascii() and name.isdigit() and str(int(name)) == name):
+                raise InvalidRecord(("blocks", name), "must be named by a block index in decimal")
+            if not is_hex(key, 32):
+                raise InvalidRecord(("blocks", name), "must be hex32: 64 lowercase hex digits")
+            blocks[int(name)] = key
+        found = cls(scope_id, compat_id, block_tokens, blocks)
+        found._check(plan)
+        return found
+
+    def _check(self, plan: ReshardPlan) -> None:
+        named = [("retain", index, tokens) for index, tokens in enumerate(plan.retain)]
+        named += [("fetch", index, fetch.tokens) for index, fetch in enumerate(plan.fetch)]
+        named += [("release", index, tokens) for index, tokens in enumerate(plan.release)]
+        for member, index, (start, end) in named:
+            path = (member, index, "tokens") if member == "fetch" else (member, index)
+            if start % self.block_tokens or end % self.block_tokens:
+                raise InvalidRecord(
+                    path, f"must start and end on a block boundary ({self.block_tokens} tokens)"
+                )
+            if member == "retain":
+                continue  # retained blocks stay as they are: the node needs no key of them
+            missing = next((i for i in self.indexes([(start, end)]) if i not in self.blocks), None)
+            if missing is not None:
+                raise InvalidRecord(path, f"covers block {missing}, which blocks does not name")
+
+    def indexes(self, ranges: Iterable[TokenRange]) -> Iterator[int]:
+        for start, end in ranges:
+            yield from range(start // self.block_tokens, end // self.block_tokens)
+
+    def keys(self, ranges: Iterable[TokenRange]) -> tuple[bytes, ...]:
+        return tuple(
+            bytes.fromhex(self.blocks[index])
+            for index in self.indexes(ranges)
+            if index in self.blocks
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "scope_id": self.scope_id,
+            "compat_id": self.compat_id,
+            "block_tokens": self.block_tokens,
+            "blocks": {str(index): key for index, key in sorted(self.blocks.items())},
+        }
+
+
+def _move_blocks(plan: ReshardPlan, blocks: PlanBlocks) -> services.MoveBlocks:
+    return services.MoveBlocks(
+        compat_id=bytes.fromhex(blocks.compat_id),
+        scope_id=bytes.fromhex(blocks.scope_id),
+        fetch=blocks.keys(fetch.tokens for fetch in plan.fetch),
+        retain=blocks.keys(plan.retain),
+        release=blocks.keys(plan.release),
+    )
+
+
+def move_json(move: ReshardMove) -> dict:
+    """The answer to POST reshard: the move as this node sees it."""
+    return {
+        "map": move.map,
+        "from": move.from_version,
+        "to": move.to_version,
+        "state": move.phase,
+        "loaded": move.loaded_at is not None,
+        "fetched_blocks": move.fetched_blocks,
+        "fetched_octets": move.fetched_octets,
+        "released_blocks": move.released_blocks,
+        "owed_release": len(move.owed_release),
+    }
+
+
+# --- POST reshard ---------------------------------------------------------------------------------
+
+
+def do_prepare(plan: ReshardPlan, body: dict) -> ReshardMove:
+    """A plan (6.9): record it, have its fetch ranges loaded, and return once they are. Raises
+    a problem when loading fails or does not finish within ``deadline_ms``."""
+    from workers.tasks import load_reshard
+
+    if plan.instance is not None and plan.instance != settings.KVSP_PUBLIC_URL:
+        raise InvalidRecord(
+            ("instance",), f"the plan is for {plan.instance}, not for this instance"
+        )
+    blocks = PlanBlocks.of(plan, body)
+    document = plan.to_json()
+    if blocks is not None:
+        document.update(blocks.to_json())
+    move, load = services.do_receive_plan(
+        plan.map,
+        plan.from_version,
+        plan.to_version,
+        document,
+        None if blocks is None else _move_blocks(plan, blocks),
+        plan.deadline_ms,
+    )
+    if load:
+        # When the broker cannot take it now, the deadline passes unacknowledged: the PC aborts,
+        # or a repeated plan sends it again.
+        enqueue(load_reshard, move.pk, queue=instance_queue(move.instance))
+    return _wait_loaded(move, plan.deadline_ms)
+
+
+def _wait_loaded(move: ReshardMove, deadline_ms: int) -> ReshardMove:
+    give_up = time.monotonic() + deadline_ms / 1000
+    while True:
+        move.refresh_from_db()
+        if move.phase != MovePhase.PREPARING:
+            raise ProtocolError(
+                "kvsp-invalid-state",
+                f"the move of {move.map} to version {move.to_version} was {move.phase} while "
+                "its fetch ranges loaded",
+            )
+        if move.loaded_at is not None:
+            return move
+        if move.load_error:
+            raise ProtocolError(
+                "kvsp-upstream-error", f"the fetch ranges could not be loaded: {move.load_error}"
+            )
+        if time.monotonic() >= give_up:
+            raise ProtocolError(
+                "kvsp-unavailable",
+                f"the fetch ranges were not loaded within deadline_ms ({deadline_ms} ms): "
+                f"{move.fetched_blocks} of {len(move.fetch_keys)} blocks so far",
+            )
+        time.sleep(POLL_S)
+
+
+def do_decide(decision: ReshardCommit | ReshardAbort) -> ReshardMove:
+    """A commit or an abort (6.9)."""
+    if isinstance(decision, ReshardCommit):
+        return services.do_commit_move(decision.map, decision.commit)
+    return services.do_abort_move(decision.map, decision.abort)
+
+
+# --- Loading the fetch ranges, on the instance's worker ------------------------------------------
+
+_loading: set[int] = set()
+_loading_lock = threading.Lock()
+
+
+@contextmanager
+def _claim(move_pk: int):
+    """Whether this thread may load the move: one run at a time per move in the worker (the
+    only process that loads for the instance), so a repeated plan never loads a block twice."""
+    with _loading_lock:
+        mine = move_pk not in _loading
+        _loading.add(move_pk)
+    try:
+        yield mine
+    finally:
+        if mine:
+            with _loading_lock:
+                _loading.discard(move_pk)
+
+
+def load(move_pk: int) -> str:
+    """Load a preparing move's fetch ranges; what the move's loading came to."""
+    with _claim(move_pk) as mine:
+        if not mine:
+            return "loading"
+        move = ReshardMove.objects.filter(pk=move_pk).first()
+        if move is None:
+            return "gone"
+        if move.phase != MovePhase.PREPARING:
+            return move.phase
+        if move.loaded_at is not None:
+            return "loaded"
+        try:
+            error = MoveLoad(move).run()
+        except Exception:
+            log.exception("reshard %s: loading failed", move)
+            error = "the instance failed while loading"
+        services.do_finish_loading(move_pk, error or "")
+        return error or "loaded"
+
+
+class MoveLoad:
+    """One run of loading a move's fetch ranges: the blocks not held yet, from their sources,
+    several at a time; the first failure stops the rest."""
+
+    def __init__(self, move: ReshardMove):
+        self.move = move
+        self.plan = ReshardPlan.from_json(move.plan)
+        self.blocks = PlanBlocks.of(self.plan, move.plan)
+        self.compat_id = bytes(move.compat_id)
+        self.scope_id = bytes(move.scope_id)
+        remaining_s = (move.deadline_at - timezone.now()).total_seconds()
+        self.deadline = time.monotonic() + remaining_s
+        self.expected: dict[str, dict[str, ReplicaRecord]] = {}
+        self.leases: dict[str, fetch.Lease | None] = {}
+        self.by_source: dict[str, list[bytes]] = {}
+        self._source_locks: dict[str, threading.Lock] = {}
+        self.links: dict[str, LinkSample] = {}
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def run(self) -> str | None:
+        """None when every fetch range is loaded, else why not."""
+        wanted = [
+            (item.source, key)
+            for item in self.plan.fetch
+            for key in self.blocks.keys([item.tokens])
+        ]
+        have = {
+            bytes(key)
+            for key in StoredBlock.objects.filter(
+                Q(pending_move__isnull=True) | Q(pending_move=self.move),
+                instance=self.move.instance,
+                compat_id=self.compat_id,
+                scope_id=self.scope_id,
+                block_key__in=[key for _, key in wanted],
+            ).values_list("block_key", flat=True)
+        }
+        for source, key in wanted:
+            if key not in have:
+                self.by_source.setdefault(source, []).append(key)
+        if not self.by_source:
+            return None
+        # Taken from the sources in turn, so that every source sends at once (6.4 prices the
+        # load as the slowest source's, not as the sum over sources).
+        columns = list(self.by_source.items())
+        missing = [
+            (source, keys[index])
+            for index in range(max(len(keys) for _, keys in columns))
+            for source, keys in columns
+            if index < len(keys)
+        ]
+        self._expect([key.hex() for _, key in missing])
+        queue = iter(missing)
+        queue_lock = threading.Lock()
+
+        def loader(client) -> None:
+            try:
+                while not self._stop.is_set():
+                    with queue_lock:
+                        item = next(queue, None)
+                    if item is None:
+                        return
+                    self._load(client, *item)
+            except Exception:
+                log.exception("reshard %s: a loader failed", self.move)
+                self._fail("the instance failed while loading")
+            finally:
+                connections.close_all()
+
+        workers = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(missing)))
+        with peer_client() as client:
+            threads = [
+                threading.Thread(target=loader, args=(client,), name=f"reshard-{i}")
+                for i in range(workers)
+            ]
+            try:
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            finally:
+                for lease in self.leases.values():
+                    if lease is not None:
+                        fetch.release_lease(client, lease)
+        for holder, sample in self.links.items():
+            if sample.octets:
+                services.do_record_link(
+                    self.move.instance,
+                    holder,
+                    rtt_us=sample.rtt_us,
+                    mbit_per_s=8 * sample.octets / sample.transfer_us,
+                )
+        return self.error
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = reason
+        self._stop.set()
+
+    def _expect(self, keys: list[str]) -> None:
+        """The records of the blocks to load, in one lookup (6.2); a block past the matched
+        prefix of the list is asked for on its own when it is loaded."""
+        try:
+            self.expected = control.lookup(self.compat_id, self.scope_id, keys)
+        except (PeerUnreachable, ProtocolError) as exc:
+            log.warning("reshard %s: lookup failed (%s)", self.move, exc)
+
+    def _record_at(self, key: str, source: str) -> ReplicaRecord | None:
+        records = self.expected.get(key)
+        if records is None or source not in records:
+            records = control.replicas(self.compat_id, self.scope_id, bytes.fromhex(key))
+            with self._lock:
+                self.expected[key] = records
+        return records.get(source)
+
+    def _lease_at(self, client, source: str) -> fetch.Lease | None:
+        """One lease per source for all the blocks fetched from it (6.6), taken by the first
+        loader that needs it, so that a slow source holds up only its own blocks; None when
+        the source refused it (its blocks are then leased one by one)."""
+        with self._lock:
+            lock = self._source_locks.setdefault(source, threading.Lock())
+        with lock:
+            if source not in self.leases:
+                request = LeaseRequest(
+                    compat_id=self.compat_id.hex(),
+                    scope_id=self.scope_id.hex(),
+                    block_keys=tuple(key.hex() for key in self.by_source[source]),
+                    ttl_ms=LEASE_MS,
+                )
+                try:
+                    self.leases[source] = fetch.take_lease(
+                        client, source, request, deadline=self.deadline
+                    )
+                except ProtocolError as exc:
+                    log.info("reshard lease at %s refused (%s): block by block", source, exc.detail)
+                    self.leases[source] = None
+            return self.leases[source]
+
+    def _load(self, client, source: str, key: bytes) -> None:
+        """Fetch one block from its source, verify it, and keep it pending for the move."""
+        what = f"block {key.hex()} from {source}"
+        lease = None
+        try:
+            record = self._record_at(key.hex(), source)
+            if record is None:
+                return self._fail(f"{what}: the Index Service lists no replica there")
+            ahead = self._lease_at(client, source)
+            if ahead is None or key.hex() not in ahead.grant.block_keys:
+                request = LeaseRequest(
+                    compat_id=record.compat_id,
+                    scope_id=record.scope_id,
+                    block_keys=(key.hex(),),
+                    ttl_ms=LEASE_MS,
+                )
+                lease = fetch.take_lease(client, source, request, deadline=self.deadline)
+            fetched = fetch.fetch_block(
+                client,
+                source,
+                record,
+                max_size=settings.KVSP_MAX_BLOCK_OCTETS,
+                deadline=self.deadline,
+            )
+            if fetched.container.token_count != self.blocks.block_tokens:
+                return self._fail(
+                    f"{what}: {fetched.container.token_count} tokens, the plan's blocks hold "
+                    f"{self.blocks.block_tokens}"
+                )
+            services.check_container(fetched.container, self.compat_id)
+            fields = services.BlockFields(
+                codec=fetched.container.codec,
+                size=fetched.size,
+                token_count=fetched.container.token_count,
+                layer_count=fetched.container.layer_count,
+                layer_digests=fetched.layer_digests,
+                repr_sha256=fetched.repr_sha256,
+            )
+            ids = (self.compat_id, self.scope_id, key)
+            if not services.do_store_pending(self.move.pk, ids, [fetched.buffer], fields):
+                # Decided while the block travelled: nothing more is kept for the move.
+                return self._fail("the move was decided while it loaded")
+        except fetch.DeadlineExpired:
+            return self._fail(
+                f"the deadline of {self.plan.deadline_ms} ms passed while {what} loaded"
+            )
+        except (ProtocolError, PeerUnreachable) as exc:
+            detail = exc.detail if isinstance(exc, ProtocolError) else str(exc)
+            return self._fail(f"{what}: {detail}")
+        finally:
+            if lease is not None:
+                fetch.release_lease(client, lease)
+            close_old_connections()
+        with self._lock:
+            self.links.setdefault(source, LinkSample()).add(fetched)
