@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
-from kvsp.container import RAW_CODEC, decode, encode  # noqa: E402
+from kvsp.container import RAW_CODEC, decode, encode, store_headers  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
 from kvsp.reprdigest import verify_repr_digest  # noqa: E402
 from tests.support.processes import Process, Server, free_port, run_manage  # noqa: E402
@@ -51,7 +51,6 @@ SECTION = 1 << 20
 TOKENS = 256
 TARGET = 0.7
 CHUNK = 1 << 20
-BLOCK = "application/kvsp-block"
 
 
 def best_of(repeats: int, function) -> float:
@@ -178,7 +177,7 @@ def main() -> None:
         headers = {"Authorization": f"Bearer {token}"}
         with httpx.Client(base_url=node_url, headers=headers, timeout=120) as client:
             stored = client.put(
-                path, content=data, headers={"Content-Type": BLOCK, "If-None-Match": "*"}
+                path, content=data, headers=store_headers(hashlib.sha256(data).digest())
             )
             if stored.status_code != 201:
                 sys.exit(f"PUT answered {stored.status_code}: {stored.text}")

@@ -26,6 +26,7 @@ Needs Postgres and Redis on 127.0.0.1 (CELERY_BROKER_URL, default redis://127.0.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -45,14 +46,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
 from kvsp.compat import compat_id_hex  # noqa: E402
-from kvsp.container import RAW_CODEC, encode  # noqa: E402
+from kvsp.container import RAW_CODEC, encode, store_headers  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
 from tests.support.processes import Server, Worker, free_port, run_manage  # noqa: E402
 
 PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_node"
-BLOCK = "application/kvsp-block"
 DESCRIPTOR = {
     "model": "bench-llama-8b",
     "model_digest": "sha-256:" + "a1" * 32,
@@ -189,7 +189,7 @@ def run(options, cp_url, urls, names, scope, tokens, controller) -> None:
         response = n1.put(
             f"{urls['n1']}blocks/{compat}/{scope}/{key}",
             content=data,
-            headers={"Content-Type": BLOCK, "If-None-Match": "*"},
+            headers=store_headers(hashlib.sha256(data).digest()),
         )
         assert response.status_code == 201, response.text
         return len(data)

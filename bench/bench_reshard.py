@@ -30,6 +30,7 @@ Needs Postgres and Redis on 127.0.0.1 (CELERY_BROKER_URL, default redis://127.0.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -50,14 +51,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
 from kvsp.compat import compat_id_hex  # noqa: E402
-from kvsp.container import RAW_CODEC, encode  # noqa: E402
+from kvsp.container import RAW_CODEC, encode, store_headers  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
 from tests.support.processes import Server, Worker, free_port, run_manage  # noqa: E402
 
 PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_reshard"
-BLOCK = "application/kvsp-block"
 BLOCK_TOKENS = 16
 DESCRIPTOR = {
     "model": "bench-llama-8b",
@@ -252,7 +252,7 @@ def run(options, cp_url, urls, names, scope, tokens, controller) -> None:
         response = clients[member].put(
             f"{urls[member]}blocks/{compat}/{scope}/{keys[index]}",
             content=data,
-            headers={"Content-Type": BLOCK, "If-None-Match": "*"},
+            headers=store_headers(hashlib.sha256(data).digest()),
         )
         assert response.status_code == 201, response.text
         return len(data)

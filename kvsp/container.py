@@ -35,6 +35,7 @@ from typing import NamedTuple
 from kvsp.hexids import parse_hex32
 from kvsp.problems import ProtocolError
 from kvsp.registries import RAW_CODEC
+from kvsp.reprdigest import repr_digest_header
 
 __all__ = [
     "DIGEST_PREFIX",
@@ -42,6 +43,7 @@ __all__ = [
     "FIXED_HEADER_SIZE",
     "LENGTH_ENTRY_SIZE",
     "MAGIC",
+    "MEDIA_TYPE",
     "RAW_CODEC",
     "VERSION",
     "Buffer",
@@ -60,6 +62,7 @@ __all__ = [
     "parse_digest",
     "replica_digest",
     "slice_layers",
+    "store_headers",
     "verify_replica_digest",
 ]
 
@@ -69,6 +72,7 @@ Buffer = bytes | bytearray | memoryview
 
 MAGIC = b"KVB1"
 VERSION = 1
+MEDIA_TYPE = "application/kvsp-block"
 
 _FIXED_HEADER = struct.Struct(">4sBBHIII")
 FIXED_HEADER_SIZE = _FIXED_HEADER.size
@@ -816,3 +820,13 @@ class ContainerStreamReader:
             )
             self._next += 1
         return completed
+
+
+def store_headers(sha256: bytes) -> dict[str, str]:
+    """The fields of a PUT that stores a container of digest ``sha256`` at a holder (6.7):
+    never replacing a replica, and with the Repr-Digest the holder checks the body against."""
+    return {
+        "Content-Type": MEDIA_TYPE,
+        "If-None-Match": "*",
+        "Repr-Digest": repr_digest_header(sha256),
+    }

@@ -24,14 +24,14 @@ from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer
 from rest_framework.response import Response
 
-from kvsp.container import Container, decode
+from kvsp.container import MEDIA_TYPE, Container, decode
 from kvsp.problems import PROBLEM_MEDIA_TYPE, ProtocolError, problem_document
 from kvsp.reprdigest import ReprDigestHasher
 
 log = logging.getLogger(__name__)
 
 KVSP_JSON = "application/kvsp+json"
-KVSP_BLOCK = "application/kvsp-block"
+KVSP_BLOCK = MEDIA_TYPE
 API_PREFIXES = ("/kvsp/", "/metrics")
 
 _ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY

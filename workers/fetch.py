@@ -16,20 +16,25 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvsp.container import Container, ContainerStreamReader, verify_replica_digest
+from kvsp.container import (
+    MEDIA_TYPE,
+    Container,
+    ContainerStreamReader,
+    store_headers,
+    verify_replica_digest,
+)
 from kvsp.problems import ProtocolError, problem_name
 from kvsp.records import LeaseGrant, LeaseRequest, ReplicaRecord
 from kvsp.reprdigest import (
     ALGORITHM,
     ReprDigestHasher,
     parse_repr_digest,
-    repr_digest_header,
     verify_repr_digest,
 )
 
 # The media type of the KV Block Container (spec 11.1). This module needs nothing of Django,
 # so that any client can fetch and verify blocks with it.
-KVSP_BLOCK = "application/kvsp-block"
+KVSP_BLOCK = MEDIA_TYPE
 
 # Octets read from the socket at a time.
 CHUNK = 1 << 20
@@ -265,11 +270,7 @@ def store_block(
         response = client.put(
             url,
             content=octets,
-            headers={
-                "Content-Type": KVSP_BLOCK,
-                "If-None-Match": "*",
-                "Repr-Digest": repr_digest_header(sha256),
-            },
+            headers=store_headers(sha256),
             timeout=30.0,
         )
     except httpx.HTTPError as exc:

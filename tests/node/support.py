@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from kvsp.container import RAW_CODEC, decode, encode
+from kvsp.container import MEDIA_TYPE, RAW_CODEC, decode, encode, store_headers
 from kvsp.reprdigest import repr_digest_header
 
 # The reference model's geometry (workers.engines.modeldir defaults): 4 layers, 2 KV heads of
@@ -21,7 +21,7 @@ from kvsp.reprdigest import repr_digest_header
 LAYERS = 4
 BLOCK_TOKENS = 16
 SECTION = BLOCK_TOKENS * 2 * 16 * 4
-BLOCK = "application/kvsp-block"
+BLOCK = MEDIA_TYPE
 
 
 def random_key() -> str:
@@ -74,7 +74,9 @@ class Api:
         return self.client.delete(path, **kwargs)
 
     def put_block(self, compat: str, scope: str, key: str, data: bytes, **headers):
-        headers = {"Content-Type": BLOCK, "If-None-Match": "*", **headers}
+        """PUT a block as a holder's client does (6.7); a header given as None is left out."""
+        headers = {**store_headers(sha256(data)), **headers}
+        headers = {name: value for name, value in headers.items() if value is not None}
         return self.put(f"blocks/{compat}/{scope}/{key}", content=data, headers=headers)
 
     def get_block(self, compat: str, scope: str, key: str, **params):

@@ -4,6 +4,9 @@ whole container or of a layer range, Repr-Digest, Cache-Control, misses and scop
 from __future__ import annotations
 
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
@@ -106,6 +109,41 @@ def test_second_put_is_412_and_keeps_the_first_copy(cluster):
     assert api.get_block(cluster.compat, cluster.scope_a, key).content == first
 
 
+def at_once(calls: list) -> list:
+    """The answers of ``calls``, made from one thread each, released together."""
+    start = threading.Barrier(len(calls))
+
+    def call(made):
+        start.wait()
+        return made()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(call, calls))
+
+
+def test_concurrent_puts_of_one_key_store_exactly_one(cluster):
+    """Two clients PUT different containers of one key at the same moment, through both of
+    the node's HTTP processes: one gets 201, the other 412, and the holder serves the winner's
+    octets under the winner's record."""
+    api = cluster.node("n1").api(cluster.tokens["reader_a"])
+    for round_ in range(12):
+        key = random_key()
+        bodies = [container(f"race-{round_}-{side}".encode()) for side in range(2)]
+        answers = at_once(
+            [partial(api.put_block, cluster.compat, cluster.scope_a, key, body) for body in bodies]
+        )
+        assert sorted(answer.status_code for answer in answers) == [201, 412], [
+            answer.text for answer in answers
+        ]
+        winner = bodies[[answer.status_code for answer in answers].index(201)]
+        assert api.get_block(cluster.compat, cluster.scope_a, key).content == winner
+        listed = cluster.control("reader_a").get(
+            f"replicas/{cluster.compat}/{cluster.scope_a}/{key}"
+        )
+        [replica] = listed.json()["replicas"]
+        assert replica["layer_digests"] == layer_digests(winner)
+
+
 def test_a_miss_and_another_scope_answer_alike(cluster):
     n1 = cluster.node("n1")
     key = random_key()
@@ -137,6 +175,9 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
     truncated = data[:-100]
     first_layer_1 = data[:8] + (1).to_bytes(4, "big") + data[12:]
     wrong_tokens = container(8, tokens=8)
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x01  # in the data section: the container still parses
+    flipped = bytes(flipped)
     cases = [
         (
             n1.api(cluster.tokens["reader_b"]).put_block(
@@ -184,6 +225,23 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
                 key,
                 data,
                 **{"Repr-Digest": repr_digest_header(sha256(b"other"))},
+            ),
+            422,
+            "kvsp-digest-mismatch",
+        ),
+        (
+            api.put_block(cluster.compat, cluster.scope_a, key, data, **{"Repr-Digest": None}),
+            400,
+            "kvsp-malformed-request",
+        ),
+        # Flipped in transit: the sender's Repr-Digest no longer matches.
+        (
+            api.put_block(
+                cluster.compat,
+                cluster.scope_a,
+                key,
+                flipped,
+                **{"Repr-Digest": repr_digest_header(sha256(data))},
             ),
             422,
             "kvsp-digest-mismatch",

@@ -3,12 +3,14 @@ octets and on TTL, and who may touch a lease."""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.node.conftest import BLOCK_OCTETS
-from tests.node.support import container, problem, random_key
+from tests.node.support import container, problem, random_key, wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -114,6 +116,53 @@ def test_quota_on_ttl_and_on_leased_octets_per_client(cluster):
     assert api.post("leases", json=lease_body(cluster, keys[:1])).status_code == 201
     for token in ("reader_a", "reader_a2"):
         release_all(cluster, n3, token)
+
+
+def test_concurrent_lease_requests_never_exceed_the_quota(cluster):
+    """Nine requests of one block each, released together through both HTTP processes of
+    n3, whose quota holds two blocks per principal: exactly two are granted."""
+    n3 = cluster.node("n3")
+    keys = stored_keys(cluster, n3, 2, 150)
+    api = n3.api(cluster.tokens["reader_a"])
+    requests = [keys[index % 2] for index in range(9)]
+    start = threading.Barrier(len(requests))
+
+    def request(key: str):
+        start.wait()
+        return api.post("leases", json=lease_body(cluster, [key]))
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(request, requests))
+    granted = [answer for answer in answers if answer.status_code == 201]
+    refused = [answer for answer in answers if answer.status_code != 201]
+    assert len(granted) == 2, [answer.text for answer in answers]
+    assert all(
+        answer.status_code == 429 and problem(answer) == "kvsp-lease-quota" for answer in refused
+    )
+    from index.auth import principal_for_token
+    from workers.models import Lease
+
+    principal = principal_for_token(cluster.tokens["reader_a"])
+    leased = Lease.objects.filter(instance=n3.name, principal_id=principal.id)
+    assert sum(lease.octets for lease in leased) == 2 * BLOCK_OCTETS
+    release_all(cluster, n3, "reader_a")
+
+
+def test_an_expired_lease_cannot_be_renewed_or_released(cluster):
+    n1 = cluster.node("n1")
+    keys = stored_keys(cluster, n1, 1, 160)
+    api = n1.api(cluster.tokens["reader_a"])
+    grant = api.post("leases", json=lease_body(cluster, keys, ttl_ms=300)).json()
+    live = api.post("leases", json=lease_body(cluster, keys, ttl_ms=300)).json()
+    assert api.put(f"leases/{live['lease']}", json={"ttl_ms": 5000}).status_code == 200
+    wait_until(lambda: time.time() * 1000 > grant["expires_ms"] + 50, "the lease's expiry")
+    for response in (
+        api.put(f"leases/{grant['lease']}", json={"ttl_ms": 5000}),
+        api.delete(f"leases/{grant['lease']}"),
+    ):
+        assert response.status_code == 404 and problem(response) == "kvsp-not-found"
+    # The renewed one was not touched by the other's expiry.
+    assert api.delete(f"leases/{live['lease']}").status_code == 204
 
 
 def release_all(cluster, node, token_name: str) -> None:

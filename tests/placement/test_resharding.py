@@ -205,11 +205,15 @@ def test_plans_name_the_blocks_of_their_ranges(controller, worker):
             "shards"
         ]
         response = controller.post(
-            "/kvsp/shardmaps/ctx-1/reshard", {"shards": next_shards, "deadline_ms": 5000}
+            "/kvsp/shardmaps/ctx-1/reshard", {"shards": next_shards, "deadline_ms": 30_000}
         )
         assert response.status_code == 202, response.content
         wait_until(lambda: ReshardOperation.objects.get().finished_at is not None, "finished")
-        sent = {node.url: node.received("POST", "/kvsp/reshard")[0] for node in (one, two, three)}
+        assert ReshardOperation.objects.get().phase == "committed"
+        sent = {
+            node.url: next(m for m in node.received("POST", "/kvsp/reshard") if "to" in m)
+            for node in (one, two, three)
+        }
     identity = {"scope_id": "ab" * 16, "compat_id": "cd" * 32, "block_tokens": 16}
     # one keeps blocks 0-2 and releases block 3; three fetches block 3 from one and blocks 4-5
     # from two; two keeps blocks 6-7 and releases 4-5.

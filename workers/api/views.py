@@ -135,6 +135,15 @@ class BlockView(APIView):
                 "kvsp-payload-too-large",
                 f"a block body is at most {settings.KVSP_MAX_BLOCK_OCTETS} octets",
             )
+        claimed = request.headers.get("Repr-Digest")
+        if not claimed:
+            # The holder stores what it will serve under its own Repr-Digest; without the
+            # sender's, a body damaged in transit would pass as long as it parsed.
+            raise ProtocolError(
+                "kvsp-malformed-request",
+                "a block is stored with a Repr-Digest field (RFC 9530) carrying the sha-256 "
+                "of the body",
+            )
         ids = (bytes(compat_id), bytes(scope_id), bytes(block_key))
         if selectors.held_block(selectors.node_name(), *ids) is not None:
             raise ProtocolError(
@@ -145,9 +154,7 @@ class BlockView(APIView):
         if not isinstance(received, ReceivedContainer):
             raise ProtocolError("kvsp-invalid-container", "the body is not a KV Block Container")
         try:
-            claimed = request.headers.get("Repr-Digest")
-            if claimed:
-                verify_repr_digest(claimed, sha256=received.sha256)
+            verify_repr_digest(claimed, sha256=received.sha256)
             block = services.do_store_block(ids, received.path, received.container, received.sha256)
         finally:
             received.release()
