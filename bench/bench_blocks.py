@@ -33,18 +33,17 @@ import time
 from pathlib import Path
 
 import httpx
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
+from bench.support import PG, fresh_database  # noqa: E402
 from kvsp.container import RAW_CODEC, decode, encode, store_headers  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
 from kvsp.reprdigest import verify_repr_digest  # noqa: E402
 from tests.support.processes import Process, Server, free_port, run_manage  # noqa: E402
 
-PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_node"
 LAYERS = 32
 SECTION = 1 << 20
@@ -60,12 +59,6 @@ def best_of(repeats: int, function) -> float:
         function()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def fresh_database() -> None:
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB}")
 
 
 def ensure_nginx() -> str:
@@ -151,7 +144,7 @@ def main() -> None:
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("KVSP_CONTROL_URL", None)
-    fresh_database()
+    fresh_database(DB)
     migrated = run_manage("migrate", "--no-input", env=env)
     if migrated.returncode:
         sys.exit(migrated.stderr)

@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from tests.support.processes import Server, run_manage  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
-PG = "postgres://postgres@127.0.0.1:5432"
+from bench.support import PG, fresh_database  # noqa: E402
+
 DB = "kvsp_bench"
 COMPAT = bytes.fromhex("c0" * 32)
 LAYERS = 32
@@ -63,10 +64,8 @@ def ensure_wrk() -> str:
     return shutil.which("wrk")
 
 
-def fresh_database(env) -> None:
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB}")
+def fresh_migrated_database(env) -> None:
+    fresh_database(DB)
     migrated = run_manage("migrate", "--no-input", env=env)
     if migrated.returncode:
         sys.exit(migrated.stderr)
@@ -191,7 +190,7 @@ def main():
     env.update(DATABASE_URL=f"{PG}/{DB}", KVSP_ROLE="control", KVSP_MAX_LOOKUP_KEYS="65536")
     env.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
     print(f"index benchmark: {args.rows} rows, {LAYERS} layer digests each")
-    fresh_database(env)
+    fresh_migrated_database(env)
     scope_hex, token, holder = setup_principals(env)
     load_rows(args.rows, bytes.fromhex(scope_hex))
 

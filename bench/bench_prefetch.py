@@ -27,58 +27,28 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
+from bench.support import DESCRIPTOR, SECTION, BenchCluster  # noqa: E402
 from kvsp.compat import compat_id_hex  # noqa: E402
 from kvsp.container import RAW_CODEC, encode, store_headers  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
-from tests.support.processes import Server, Worker, free_port, run_manage  # noqa: E402
+from tests.support.processes import Server, Worker  # noqa: E402
 
-PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_node"
-DESCRIPTOR = {
-    "model": "bench-llama-8b",
-    "model_digest": "sha-256:" + "a1" * 32,
-    "tokenizer_digest": "sha-256:" + "b2" * 32,
-    "layers": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "kv_dtype": "float16",
-    "positional": "rope;theta=500000",
-    "block_tokens": 16,
-    "layout": "kvsp-layout-1",
-}
-SECTION = 16 * 8 * 128 * 2
-
-
-def fresh_database() -> None:
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB}")
-
-
-def manage_json(env, *args) -> dict:
-    done = run_manage(*args, env=env)
-    if done.returncode:
-        sys.exit(done.stderr)
-    return json.loads(done.stdout)
 
 
 def main() -> None:
@@ -87,64 +57,28 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=4)
     options = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="kvsp-bench-prefetch-"))
-    shm = Path(tempfile.mkdtemp(prefix="kvsp-bench-prefetch-", dir="/dev/shm"))
-    run_id = os.urandom(3).hex()
-    cp_port, ports = free_port(), {"n1": free_port(), "n2": free_port()}
-    cp_url = f"http://127.0.0.1:{cp_port}/kvsp/"
-    urls = {name: f"http://127.0.0.1:{port}/kvsp/" for name, port in ports.items()}
-    names = {name: f"{name}-{run_id}" for name in ports}
-    base = {
-        **os.environ,
-        "DATABASE_URL": f"{PG}/{DB}",
-        "CELERY_BROKER_URL": os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/3"),
-        "KVSP_VAR_DIR": str(ROOT / "var"),
-        "KVSP_LOG_LEVEL": "WARNING",
-        "PYTHONUNBUFFERED": "1",
-    }
-    base["CELERY_RESULT_BACKEND"] = base["CELERY_BROKER_URL"]
-    fresh_database()
-    migrated = run_manage("migrate", "--no-input", env=base)
-    if migrated.returncode:
-        sys.exit(migrated.stderr)
-    scope = manage_json(base, "kvsp_scope", "create", "bench")["scope_id"]
-    controller = manage_json(base, "kvsp_principal", "create", "bench-pc", "--controller")["token"]
-    tokens = {}
-    for key, name in names.items():
-        manage_json(base, "kvsp_instance", "add", name, "--url", urls[key])
-        tokens[key] = manage_json(
-            base,
-            "kvsp_principal",
-            "create",
-            f"node-{name}",
-            "--scope",
-            scope,
-            "--instance",
-            name,
-            "--holder",
-            urls[key],
-        )["token"]
-
-    def node_env(key: str) -> dict:
-        return {
-            **base,
-            "KVSP_ROLE": "node",
-            "KVSP_INSTANCE": names[key],
-            "KVSP_PUBLIC_URL": urls[key],
-            "KVSP_CONTROL_URL": cp_url,
-            "KVSP_TOKEN": tokens[key],
-            "KVSP_SHM_DIR": str(shm),
-            "KVSP_DISK_DIR": str(work / "disk"),
-            "KVSP_PREFETCH_PARALLEL": str(options.parallel),
-        }
-
+    cluster = BenchCluster("prefetch", DB, ("n1", "n2"))
+    work, names = cluster.work, cluster.names
+    parallel = {"KVSP_PREFETCH_PARALLEL": str(options.parallel)}
     processes = [
-        Server("bench-cp", base, work, workers=2, port=cp_port),
-        Server("bench-n1", node_env("n1"), work, workers=2, port=ports["n1"]),
-        Server("bench-n2", node_env("n2"), work, workers=2, port=ports["n2"]),
+        Server("bench-cp", cluster.control_env, work, workers=2, port=cluster.cp_port),
+        Server(
+            "bench-n1",
+            cluster.node_env("n1", **parallel),
+            work,
+            workers=2,
+            port=cluster.ports["n1"],
+        ),
+        Server(
+            "bench-n2",
+            cluster.node_env("n2", **parallel),
+            work,
+            workers=2,
+            port=cluster.ports["n2"],
+        ),
         Worker(
             "bench-n2-worker",
-            node_env("n2"),
+            cluster.node_env("n2", **parallel),
             work,
             queues=[f"ii.{names['n2']}"],
             pool="threads",
@@ -154,18 +88,19 @@ def main() -> None:
     try:
         for process in processes:
             process.start()
-        run(options, cp_url, urls, names, scope, tokens, controller)
+        run(options, cluster)
     finally:
         for process in reversed(processes):
             process.stop()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        cluster.remove_files()
 
 
-def run(options, cp_url, urls, names, scope, tokens, controller) -> None:
+def run(options, cluster: BenchCluster) -> None:
     import django
 
-    os.environ["DATABASE_URL"] = f"{PG}/{DB}"
+    cp_url, urls, names, scope = cluster.cp_url, cluster.urls, cluster.names, cluster.scope
+    tokens, controller = cluster.tokens, cluster.controller
+    os.environ["DATABASE_URL"] = cluster.database_url
     django.setup()
     from workers.fetch import fetch_block
     from workers.models import Directive, MeasuredLink

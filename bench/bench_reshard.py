@@ -31,61 +31,30 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 import random
 import re
-import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
+from bench.support import BLOCK_TOKENS, DESCRIPTOR, SECTION, BenchCluster  # noqa: E402
 from kvsp.compat import compat_id_hex  # noqa: E402
 from kvsp.container import RAW_CODEC, encode, store_headers  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
-from tests.support.processes import Server, Worker, free_port, run_manage  # noqa: E402
+from tests.support.processes import Server, Worker  # noqa: E402
 
-PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_reshard"
-BLOCK_TOKENS = 16
-DESCRIPTOR = {
-    "model": "bench-llama-8b",
-    "model_digest": "sha-256:" + "a1" * 32,
-    "tokenizer_digest": "sha-256:" + "b2" * 32,
-    "layers": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "kv_dtype": "float16",
-    "positional": "rope;theta=500000",
-    "block_tokens": BLOCK_TOKENS,
-    "layout": "kvsp-layout-1",
-}
-SECTION = BLOCK_TOKENS * 8 * 128 * 2
 MEMBERS = ("a", "b", "c")
-
-
-def fresh_database() -> None:
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB}")
-
-
-def manage_json(env, *args) -> dict:
-    done = run_manage(*args, env=env)
-    if done.returncode:
-        sys.exit(done.stderr)
-    return json.loads(done.stdout)
 
 
 def scenarios(blocks: int) -> list[tuple[str, list[tuple[int, int, str]]]]:
@@ -127,71 +96,23 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=96)
     options = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="kvsp-bench-reshard-"))
-    shm = Path(tempfile.mkdtemp(prefix="kvsp-bench-reshard-", dir="/dev/shm"))
-    run_id = os.urandom(3).hex()
-    cp_port, ports = free_port(), {member: free_port() for member in MEMBERS}
-    cp_url = f"http://127.0.0.1:{cp_port}/kvsp/"
-    urls = {member: f"http://127.0.0.1:{port}/kvsp/" for member, port in ports.items()}
-    names = {member: f"{member}-{run_id}" for member in MEMBERS}
-    base = {
-        **os.environ,
-        "DATABASE_URL": f"{PG}/{DB}",
-        "CELERY_BROKER_URL": os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/3"),
-        "KVSP_VAR_DIR": str(ROOT / "var"),
-        "KVSP_LOG_LEVEL": "WARNING",
-        "PYTHONUNBUFFERED": "1",
-    }
-    base["CELERY_RESULT_BACKEND"] = base["CELERY_BROKER_URL"]
-    fresh_database()
-    migrated = run_manage("migrate", "--no-input", env=base)
-    if migrated.returncode:
-        sys.exit(migrated.stderr)
-    scope = manage_json(base, "kvsp_scope", "create", "bench")["scope_id"]
-    controller = manage_json(base, "kvsp_principal", "create", "bench-pc", "--controller")["token"]
-    tokens = {}
-    for member, name in names.items():
-        manage_json(base, "kvsp_instance", "add", name, "--url", urls[member])
-        tokens[member] = manage_json(
-            base,
-            "kvsp_principal",
-            "create",
-            f"node-{name}",
-            "--scope",
-            scope,
-            "--instance",
-            name,
-            "--holder",
-            urls[member],
-        )["token"]
-
-    def node_env(member: str) -> dict:
-        return {
-            **base,
-            "KVSP_ROLE": "node",
-            "KVSP_INSTANCE": names[member],
-            "KVSP_PUBLIC_URL": urls[member],
-            "KVSP_CONTROL_URL": cp_url,
-            "KVSP_TOKEN": tokens[member],
-            "KVSP_SHM_DIR": str(shm),
-            "KVSP_DISK_DIR": str(work / "disk"),
-        }
-
-    control = {**base, "KVSP_TOKEN": controller}
+    cluster = BenchCluster("reshard", DB, MEMBERS)
+    work = cluster.work
     processes = [
-        Server("bench-cp", control, work, workers=2, port=cp_port),
-        Worker("bench-cp-worker", control, work, queues=["control"]),
+        Server("bench-cp", cluster.control_env, work, workers=2, port=cluster.cp_port),
+        Worker("bench-cp-worker", cluster.control_env, work, queues=["control"]),
     ]
     for member in MEMBERS:
+        env = cluster.node_env(member)
         processes.append(
-            Server(f"bench-{member}", node_env(member), work, workers=2, port=ports[member])
+            Server(f"bench-{member}", env, work, workers=2, port=cluster.ports[member])
         )
         processes.append(
             Worker(
                 f"bench-{member}-worker",
-                node_env(member),
+                env,
                 work,
-                queues=[f"ii.{names[member]}"],
+                queues=[f"ii.{cluster.names[member]}"],
                 pool="threads",
                 concurrency=4,
             )
@@ -199,12 +120,11 @@ def main() -> None:
     try:
         for process in processes:
             process.start()
-        run(options, cp_url, urls, names, scope, tokens, controller)
+        run(options, cluster)
     finally:
         for process in reversed(processes):
             process.stop()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        cluster.remove_files()
 
 
 def block_gets(url: str) -> int:
@@ -219,10 +139,12 @@ def block_gets(url: str) -> int:
     )
 
 
-def run(options, cp_url, urls, names, scope, tokens, controller) -> None:
+def run(options, cluster: BenchCluster) -> None:
     import django
 
-    os.environ["DATABASE_URL"] = f"{PG}/{DB}"
+    cp_url, urls, names, scope = cluster.cp_url, cluster.urls, cluster.names, cluster.scope
+    tokens, controller = cluster.tokens, cluster.controller
+    os.environ["DATABASE_URL"] = cluster.database_url
     django.setup()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line a request otherwise
     from placement.models import ReshardOperation

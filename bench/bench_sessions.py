@@ -47,26 +47,19 @@ import uuid
 from pathlib import Path
 
 import httpx
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
+from bench.support import PG, fresh_database  # noqa: E402
 from tests.support.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
 
-PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_sessions"
 BLOCK_TOKENS = 16
 STATUS_TTL_MS = 1500
 FAILURE_CHECK_S = 0.25
 SUFFIX = 16
-
-
-def fresh_database() -> None:
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB}")
 
 
 class Fleet:
@@ -419,7 +412,7 @@ def main() -> None:
         KVSP_ROLE="control",
         KVSP_LOG_LEVEL="WARNING",
     )
-    fresh_database()
+    fresh_database(DB)
     migrated = run_manage("migrate", "--no-input", env=dict(os.environ))
     if migrated.returncode:
         sys.exit(migrated.stderr)

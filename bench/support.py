@@ -1,0 +1,122 @@
+"""What the benchmarks share: a fresh Postgres database, the management commands, the geometry
+of a Llama-3-8B block, and a control plane with registered nodes to start processes for."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.processes import free_port, run_manage  # noqa: E402
+
+PG = "postgres://postgres@127.0.0.1:5432"
+BLOCK_TOKENS = 16
+# A Llama-3-8B block of 16 tokens: 32 layers, 8 KV heads of 128, float16 (2 MiB).
+DESCRIPTOR = {
+    "model": "bench-llama-8b",
+    "model_digest": "sha-256:" + "a1" * 32,
+    "tokenizer_digest": "sha-256:" + "b2" * 32,
+    "layers": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "kv_dtype": "float16",
+    "positional": "rope;theta=500000",
+    "block_tokens": BLOCK_TOKENS,
+    "layout": "kvsp-layout-1",
+}
+SECTION = BLOCK_TOKENS * 8 * 128 * 2  # octets of one K or V section of such a block
+
+
+def fresh_database(name: str) -> None:
+    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+
+
+def manage_json(env: dict, *args: str) -> dict:
+    done = run_manage(*args, env=env)
+    if done.returncode:
+        sys.exit(done.stderr)
+    return json.loads(done.stdout)
+
+
+class BenchCluster:
+    """A fresh database with a scope, a controller principal and registered nodes (each with a
+    principal of the scope, bound to its instance and its holder URL), and the environment of
+    every process; the caller starts the processes it needs."""
+
+    def __init__(self, label: str, database: str, members: list[str] | tuple[str, ...]):
+        self.work = Path(tempfile.mkdtemp(prefix=f"kvsp-bench-{label}-"))
+        self.shm = Path(tempfile.mkdtemp(prefix=f"kvsp-bench-{label}-", dir="/dev/shm"))
+        run_id = os.urandom(3).hex()
+        self.cp_port = free_port()
+        self.ports = {member: free_port() for member in members}
+        self.cp_url = f"http://127.0.0.1:{self.cp_port}/kvsp/"
+        self.urls = {
+            member: f"http://127.0.0.1:{port}/kvsp/" for member, port in self.ports.items()
+        }
+        self.names = {member: f"{member}-{run_id}" for member in members}
+        broker = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/3")
+        self.database_url = f"{PG}/{database}"
+        self.base = {
+            **os.environ,
+            "DATABASE_URL": self.database_url,
+            "CELERY_BROKER_URL": broker,
+            "CELERY_RESULT_BACKEND": broker,
+            "KVSP_VAR_DIR": str(ROOT / "var"),
+            "KVSP_LOG_LEVEL": "WARNING",
+            "PYTHONUNBUFFERED": "1",
+        }
+        fresh_database(database)
+        migrated = run_manage("migrate", "--no-input", env=self.base)
+        if migrated.returncode:
+            sys.exit(migrated.stderr)
+        self.scope = manage_json(self.base, "kvsp_scope", "create", "bench")["scope_id"]
+        self.controller = manage_json(
+            self.base, "kvsp_principal", "create", "bench-pc", "--controller"
+        )["token"]
+        self.tokens = {}
+        for member, name in self.names.items():
+            url = self.urls[member]
+            manage_json(self.base, "kvsp_instance", "add", name, "--url", url)
+            self.tokens[member] = manage_json(
+                self.base,
+                "kvsp_principal",
+                "create",
+                f"node-{name}",
+                "--scope",
+                self.scope,
+                "--instance",
+                name,
+                "--holder",
+                url,
+            )["token"]
+
+    @property
+    def control_env(self) -> dict:
+        return {**self.base, "KVSP_TOKEN": self.controller}
+
+    def node_env(self, member: str, **extra: str) -> dict:
+        return {
+            **self.base,
+            "KVSP_ROLE": "node",
+            "KVSP_INSTANCE": self.names[member],
+            "KVSP_PUBLIC_URL": self.urls[member],
+            "KVSP_CONTROL_URL": self.cp_url,
+            "KVSP_TOKEN": self.tokens[member],
+            "KVSP_SHM_DIR": str(self.shm),
+            "KVSP_DISK_DIR": str(self.work / "disk"),
+            **extra,
+        }
+
+    def remove_files(self) -> None:
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.work, ignore_errors=True)
