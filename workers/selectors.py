@@ -134,6 +134,18 @@ def used_octets(name: str, tier: str) -> int:
     return total["total"] or 0
 
 
+def octets_by_scope(name: str) -> dict[bytes, int]:
+    """The octets each scope's blocks take on the node, both tiers and pending blocks included,
+    in one query: what the fairness rule of eviction weighs (``workers.services``)."""
+    rows = (
+        StoredBlock.objects.filter(instance=name)
+        .values("scope_id")
+        .annotate(octets=Sum("size"))
+        .order_by()
+    )
+    return {bytes(row["scope_id"]): row["octets"] for row in rows}
+
+
 def leased_octets(name: str, principal_id: int, now: datetime) -> int:
     total = Lease.objects.filter(
         instance=name, principal_id=principal_id, expires_at__gt=now

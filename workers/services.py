@@ -15,6 +15,18 @@ takes room and is never evicted, but it is not a replica yet, so it is not publi
 leased. The move's commit makes it held and publishes it; its abort discards it. Anything else
 that asks the node to hold a pending block (a prefetch, a PUT, an engine's export) makes it
 held at once, so that an abort never takes a block somebody else wanted.
+
+Eviction is fair between scopes (tenant isolation on a holder). Each scope has a quota on the
+node: ``KVSP_SCOPE_QUOTA_OCTETS`` when set, otherwise an equal share of the node's capacity
+(host and disk) among the scopes holding blocks there, the storing scope included, so that a
+lone scope may use everything and a newcomer may take back up to its share. A store for scope S
+evicts, least recently used first and never a leased or pending block, only blocks of S itself
+or of a scope holding more than its quota, and never takes another scope below its quota. What
+a scope holds counts all its blocks on the node, in either tier, pending ones too. A move from
+host to disk is not an eviction and may move any scope's block, but the disk room it needs is
+made under the same rule. When no block the rule allows makes room, the store is refused
+(``kvsp-unavailable``) and nothing changes. A quota is what a scope keeps against others, not a
+cap: free room goes to whoever stores first.
 """
 
 from __future__ import annotations
@@ -220,14 +232,45 @@ class RoomPlan:
     evict: list[StoredBlock]
 
 
-class _Disk:
-    """The disk tier as a plan sees it: its use, and its unleased blocks in LRU order."""
+@dataclass
+class ScopeShares:
+    """The fairness rule of eviction (see the module docstring) for a store of scope
+    ``storing``: the octets each scope holds on the node, kept current as a plan evicts, and
+    the quota every scope keeps against the others."""
 
-    def __init__(self, name: str, now: datetime):
+    storing: bytes
+    held: dict[bytes, int]
+    quota: int
+
+    @classmethod
+    def of(cls, storing: bytes, held: dict[bytes, int]) -> ScopeShares:
+        quota = settings.KVSP_SCOPE_QUOTA_OCTETS
+        if not quota:
+            capacity = tiers.capacity(tiers.HOST) + tiers.capacity(tiers.DISK)
+            quota = capacity // len(held.keys() | {storing})
+        return cls(storing, dict(held), quota)
+
+    def may_evict(self, block: StoredBlock) -> bool:
+        """The storing scope's own blocks, and another scope's while it keeps its quota."""
+        owner = bytes(block.scope_id)
+        return owner == self.storing or self.held.get(owner, 0) - block.size >= self.quota
+
+    def evicted(self, block: StoredBlock) -> None:
+        owner = bytes(block.scope_id)
+        self.held[owner] = self.held.get(owner, 0) - block.size
+
+
+class _Disk:
+    """The disk tier as a plan sees it: its use, and the blocks a store may evict from it in
+    LRU order (unleased, not pending, and allowed by ``ScopeShares``)."""
+
+    def __init__(self, name: str, now: datetime, shares_of: Callable[[], ScopeShares]):
         self.cap = tiers.capacity(tiers.DISK)
         self.used = selectors.used_octets(name, tiers.DISK)
-        self._name, self._now = name, now
+        self._name, self._now, self._shares_of = name, now, shares_of
+        self._shares: ScopeShares | None = None
         self._victims: list[StoredBlock] | None = None
+        self._next = 0
         self.evict: list[StoredBlock] = []
 
     def make_room(self, needed: int) -> bool:
@@ -235,6 +278,7 @@ class _Disk:
             return True
         if self._victims is None:
             protected = _protected_block_ids(self._name, self._now)
+            self._shares = self._shares_of()
             self._victims = [
                 block
                 for block in StoredBlock.objects.filter(
@@ -242,24 +286,41 @@ class _Disk:
                 ).order_by("last_access", "pk")
                 if block.pk not in protected
             ]
-        while self.used + needed > self.cap and len(self.evict) < len(self._victims):
-            victim = self._victims[len(self.evict)]
+        # One pass suffices: evicting only ever lowers what a scope holds, so a block the rule
+        # passes over stays out of reach for the rest of the plan.
+        while self.used + needed > self.cap and self._next < len(self._victims):
+            victim = self._victims[self._next]
+            self._next += 1
+            if not self._shares.may_evict(victim):
+                continue
+            self._shares.evicted(victim)
             self.evict.append(victim)
             self.used -= victim.size
         return self.used + needed <= self.cap
 
 
-def _plan_room(name: str, size: int, now: datetime) -> RoomPlan:
-    """The tier for a new block of ``size`` octets, and how to make room there.
+def _plan_room(name: str, scope_id: bytes, size: int, now: datetime) -> RoomPlan:
+    """The tier for a new block of scope ``scope_id`` and ``size`` octets, and how to make room
+    there.
 
     The host tier first: its least recently used blocks move to disk (a move is not an
-    eviction, so leased blocks may move), and disk makes room by evicting its least recently
-    used unleased blocks. A block too large for the host tier goes to disk directly.
+    eviction, so leased blocks, and any scope's, may move), and disk makes room by evicting its
+    least recently used blocks that ``ScopeShares`` allows and no lease or reshard move keeps.
+    A block too large for the host tier goes to disk directly.
     """
+    held: dict[bytes, int] | None = None
+
+    def shares() -> ScopeShares:
+        # One query per store however many plans ask: what every scope holds on the node.
+        nonlocal held
+        if held is None:
+            held = selectors.octets_by_scope(name)
+        return ScopeShares.of(scope_id, held)
+
     host_cap = tiers.capacity(tiers.HOST)
     if size <= host_cap:
         used = selectors.used_octets(name, tiers.HOST)
-        disk = _Disk(name, now)
+        disk = _Disk(name, now, shares)
         demote = []
         if used + size > host_cap:
             candidates = StoredBlock.objects.filter(instance=name, tier=tiers.HOST).order_by(
@@ -275,12 +336,13 @@ def _plan_room(name: str, size: int, now: datetime) -> RoomPlan:
                     break
         if used + size <= host_cap:
             return RoomPlan(tiers.HOST, demote, disk.evict)
-    disk = _Disk(name, now)
+    disk = _Disk(name, now, shares)
     if size <= disk.cap and disk.make_room(size):
         return RoomPlan(tiers.DISK, [], disk.evict)
     raise ProtocolError(
         "kvsp-unavailable",
-        f"no room for a block of {size} octets: the tiers hold leased blocks or are too small",
+        f"no room for a block of {size} octets: the blocks in the way are leased, pending, or "
+        "other scopes' within their quota, or the tiers are too small",
     )
 
 
@@ -366,7 +428,7 @@ def _place_locked(
             "this holder already has a replica of the block and keeps its copy",
         )
     now = timezone.now()
-    plan = _plan_room(name, fields.size, now)
+    plan = _plan_room(name, ids[1], fields.size, now)
     # Files first, and the Index Service last: a failure before the evictions leaves every
     # record as it was.
     for victim in plan.demote:
@@ -376,7 +438,7 @@ def _place_locked(
     tiers.place_file(spool, path)
     placed.append(path)
     for victim in plan.evict:
-        _evict(victim, "evicted for room (least recently used, unleased)", now)
+        _evict(victim, "evicted for room (least recently used, unleased, within quotas)", now)
     block = _stored_block(name, ids, fields, tier, now, pending_move_id)
     block.save(force_insert=True)
     PendingWithdrawal.objects.filter(

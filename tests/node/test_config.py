@@ -25,6 +25,7 @@ A, B = "http://a.test/kvsp/", "http://b.test/kvsp/"
         ({"KVSP_PUBLIC_URL": "http://ii1:8001/kvsp"}, "KVSP_PUBLIC_URL"),
         ({"KVSP_DECODE_TOKENS_PER_S": "0"}, "KVSP_DECODE_TOKENS_PER_S"),
         ({"KVSP_TIER_HOST_READ_MBIT_PER_S": "fast"}, "KVSP_TIER_HOST_READ_MBIT_PER_S"),
+        ({"KVSP_SCOPE_QUOTA_OCTETS": "-1"}, "KVSP_SCOPE_QUOTA_OCTETS"),
     ],
 )
 def test_bad_node_settings_stop_start_up_in_one_line(tmp_path, values, named):
