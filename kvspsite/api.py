@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
-from django.db import InterfaceError, OperationalError
+from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from rest_framework import exceptions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
@@ -249,6 +249,8 @@ def problem_exception_handler(exc, context):
         return problem_response(
             "kvsp-unavailable", "the database is unavailable; retry", headers={"Retry-After": "1"}
         )
+    if isinstance(exc, DataError):
+        return problem_response("kvsp-invalid-record", _OUT_OF_RANGE)
     if isinstance(exc, Http404):
         return problem_response("kvsp-not-found", "no such resource")
     if isinstance(exc, RequestDataTooBig):
@@ -293,6 +295,9 @@ def is_api_path(path: str) -> bool:
     return path.startswith(API_PREFIXES)
 
 
+# The database refused a value the record rules admit (a number past what its column holds):
+# the request changed nothing, since the statement failed inside its transaction.
+_OUT_OF_RANGE = "a value of the request is out of the range this implementation stores"
 _SAFE_DETAIL = {
     400: "the request was refused as malformed",
     401: "authentication required",
@@ -339,6 +344,8 @@ class ProblemDetailsMiddleware:
             response = problem_http_response("kvsp-unavailable", "the database is unavailable")
             response["Retry-After"] = "1"
             return response
+        if isinstance(exception, DataError):
+            return problem_http_response("kvsp-invalid-record", _OUT_OF_RANGE)
         log.exception("uncaught error on %s", request.path)
         return problem_http_response("kvsp-internal-error", _SAFE_DETAIL[500])
 

@@ -2,10 +2,13 @@
 
 The views validate with the protocol core (``kvsp.records``), not with serializers, so
 drf-spectacular cannot infer bodies; this module states them. ``describe`` is a
-drf-spectacular postprocessing hook that puts each operation's request body and responses in
-place from ``OPERATIONS``, declares the bearer scheme, and gives every error response the
-problem-details schema. The schemas say what a valid message looks like; the core remains the
-judge (a document can match the schema and still break a rule, such as overlapping ranges).
+drf-spectacular postprocessing hook that puts each operation's request body, header and query
+parameters, responses and links in place from ``OPERATIONS``, ``PARAMETERS`` and ``LINKS``,
+declares the bearer scheme, and gives every error response the problem-details schema. Each
+role's URLconf decides which of the operations its schema lists: the control plane's (DESIGN.md
+section 3, "Control plane") or a node's ("Node"). The schemas say what a valid message looks
+like; the core remains the judge (a document can match the schema and still break a rule, such
+as overlapping ranges or a reshard plan whose ``to`` is not ``from + 1``).
 """
 
 from __future__ import annotations
@@ -41,10 +44,17 @@ _RANGE = {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}
 _POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
 
 
+def _nullable(schema: dict) -> dict:
+    # An enum lists every value allowed, null included, even beside "nullable".
+    if "enum" in schema and None not in schema["enum"]:
+        return {**schema, "nullable": True, "enum": [*schema["enum"], None]}
+    return {**schema, "nullable": True}
+
+
 def _object(properties: dict, required=(), **extra) -> dict:
     # A null optional member counts as absent (kvsp.records), so the schema admits null there.
     properties = {
-        name: value if name in required or "$ref" in value else {**value, "nullable": True}
+        name: value if name in required or "$ref" in value else _nullable(value)
         for name, value in properties.items()
     }
     schema = {"type": "object", "properties": properties, **extra}
@@ -383,6 +393,187 @@ SCHEMAS = {
     ),
 }
 
+_SEGMENT = {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"}
+_HOLDER = {"type": "string", "pattern": "^(https?://[^/]+/.*/|moqt://[^/]+.*)$", "maxLength": 2000}
+_DIRECTIVE_STATES = ["pending", "partial", "complete", "failed"]
+_BINARY = {"type": "string", "format": "binary"}
+
+# The node's messages (DESIGN.md section 3, "Node"). Where a view reads an optional member
+# with a default instead of through ``kvsp.records`` (generate, resume), a null member is
+# refused, so those members are stated without ``nullable``.
+SCHEMAS.update(
+    {
+        "BlockContainer": {
+            **_BINARY,
+            "description": "a KV Block Container (spec 4.3) holding every layer from layer 0",
+        },
+        "LeaseRequest": _object(
+            {
+                "compat_id": _hex(32),
+                "scope_id": _hex(16),
+                "block_keys": {
+                    "type": "array",
+                    "items": _hex(32),
+                    "minItems": 1,
+                    "maxItems": 131072,
+                    "uniqueItems": True,
+                },
+                "ttl_ms": _POSITIVE,
+            },
+            ["compat_id", "scope_id", "block_keys", "ttl_ms"],
+        ),
+        "LeaseRenewal": _object({"ttl_ms": _POSITIVE}, ["ttl_ms"]),
+        "LeaseGrant": _object(
+            {
+                "lease": _SEGMENT,
+                "compat_id": _hex(32),
+                "scope_id": _hex(16),
+                "block_keys": {"type": "array", "items": _hex(32), "minItems": 1},
+                "ttl_ms": _POSITIVE,
+                "expires_ms": _INT,
+            },
+            ["lease", "compat_id", "scope_id", "block_keys", "ttl_ms", "expires_ms"],
+        ),
+        "DirectiveBlock": _object(
+            {
+                "block_key": _hex(32),
+                "sources": {
+                    "type": "array",
+                    "items": _HOLDER,
+                    "minItems": 1,
+                    "maxItems": 64,
+                    "uniqueItems": True,
+                },
+            },
+            ["block_key", "sources"],
+        ),
+        "PrefetchDirective": _object(
+            {
+                "directive": {"type": "string", "format": "uuid"},
+                "request_ref": {"type": "string", "maxLength": 1024},
+                "scope_id": _hex(16),
+                "compat_id": _hex(32),
+                "blocks": {
+                    "type": "array",
+                    "items": _ref("DirectiveBlock"),
+                    "minItems": 1,
+                    "maxItems": 131072,
+                },
+                "layer_order": {"type": "string", "enum": ["ascending"]},
+                "deadline_ms": _POSITIVE,
+                "lease_ms": _POSITIVE,
+            },
+            ["directive", "scope_id", "compat_id", "blocks", "deadline_ms", "lease_ms"],
+        ),
+        "DirectiveState": _object(
+            {
+                "directive": {"type": "string", "format": "uuid"},
+                "state": {"type": "string", "enum": _DIRECTIVE_STATES},
+                "loaded": {"type": "array", "items": _hex(32)},
+                "reason": {"type": "string", "nullable": True},
+            },
+            ["directive", "state", "loaded", "reason"],
+        ),
+        "GenerateSampler": {
+            "type": "object",
+            "properties": {
+                "method": {
+                    "type": "string",
+                    "enum": ["greedy", "temperature", "top-k", "top-p", "min-p"],
+                },
+                "params": {"type": "object"},
+                "seed": {"type": "integer", "minimum": 0, "maximum": 18446744073709551615},
+            },
+            "required": ["method"],
+        },
+        "GenerateRequest": _object(
+            {
+                "session": {"type": "string", "format": "uuid"},
+                "scope_id": _hex(16),
+                "compat_id": _hex(32),
+                "prompt": {"type": "array", "items": _TOKEN, "minItems": 1, "maxItems": 2097152},
+                "max_tokens": _POSITIVE,
+                "sampler": _ref("GenerateSampler"),
+                "request_ref": {"type": "string", "minLength": 1, "maxLength": 1024},
+            },
+            ["session", "scope_id", "compat_id", "prompt", "max_tokens"],
+        ),
+        "SessionAdmitted": _object(
+            {
+                "session": {"type": "string", "format": "uuid"},
+                "epoch": _POSITIVE,
+                "state": {"type": "string"},
+                "session_url": {"type": "string"},
+                "output_url": {"type": "string"},
+            },
+            ["session", "epoch", "state"],
+        ),
+        "ResumeRequest": {
+            "type": "object",
+            "properties": {
+                "session": {"type": "string", "format": "uuid"},
+                "epoch": _POSITIVE,
+                "checkpoint": _ref("SessionCheckpoint"),
+                "blocks": {"type": "array", "items": _ref("DirectiveBlock")},
+                "resident": {"type": "array", "items": _hex(32)},
+                "deadline_ms": _POSITIVE,
+                "lease_ms": _POSITIVE,
+            },
+            "required": ["session", "epoch", "checkpoint"],
+        },
+        # A plan from this implementation's PC carries the Block Keys its ranges cover
+        # (workers.resharding): scope_id, compat_id, block_tokens and blocks, an object from
+        # block indexes in decimal to Block Keys.
+        "ReshardPlan": _object(
+            {
+                "map": _SEGMENT,
+                "instance": _URL,
+                "from": _INT,
+                "to": _POSITIVE,
+                "deadline_ms": _POSITIVE,
+                "retain": {"type": "array", "items": _RANGE, "maxItems": 8192},
+                "fetch": {
+                    "type": "array",
+                    "maxItems": 8192,
+                    "items": _object({"tokens": _RANGE, "from": _URL}, ["tokens", "from"]),
+                },
+                "release": {"type": "array", "items": _RANGE, "maxItems": 8192},
+                "scope_id": _hex(16),
+                "compat_id": _hex(32),
+                "block_tokens": {"type": "integer", "minimum": 1, "maximum": 4294967295},
+                "blocks": {
+                    "type": "object",
+                    "additionalProperties": _hex(32),
+                    "maxProperties": 131072,
+                },
+            },
+            ["map", "from", "to", "deadline_ms", "retain", "fetch", "release"],
+        ),
+        "ReshardCommit": _object({"map": _SEGMENT, "commit": _POSITIVE}, ["map", "commit"]),
+        "ReshardAbort": _object({"map": _SEGMENT, "abort": _POSITIVE}, ["map", "abort"]),
+        # A body with "commit" is a commit and one with "abort" an abort; any other a plan.
+        "ReshardBody": {
+            "anyOf": [_ref("ReshardPlan"), _ref("ReshardCommit"), _ref("ReshardAbort")]
+        },
+        "ReshardMove": _object(
+            {
+                "map": {"type": "string"},
+                "from": {"type": "integer", "nullable": True},
+                "to": _INT,
+                "state": {"type": "string", "enum": ["preparing", "committed", "aborted"]},
+                "loaded": {"type": "boolean"},
+                "fetched_blocks": _INT,
+                "fetched_octets": _INT,
+                "released_blocks": _INT,
+                "owed_release": _INT,
+            },
+            ["map", "from", "to", "state", "loaded"],
+        ),
+    }
+)
+
+_BLOCK = "/kvsp/blocks/{compat_id}/{scope_id}/{block_key}"
+
 # (path, method) -> (request schema or None, {status: response schema or None}).
 # Error statuses besides those listed get problem details too (see ``describe``).
 OPERATIONS = {
@@ -442,6 +633,149 @@ OPERATIONS = {
         None,
         {200: "ReshardOperation", 404: "Problem"},
     ),
+    # Node.
+    (_BLOCK, "get"): (
+        None,
+        {200: "BlockContainer", 400: "Problem", 404: "Problem", 406: "Problem"},
+    ),
+    (_BLOCK, "put"): (
+        "BlockContainer",
+        {
+            201: "ReplicaRecord",
+            400: "Problem",
+            403: "Problem",
+            411: "Problem",
+            412: "Problem",
+            413: "Problem",
+            415: "Problem",
+            422: "Problem",
+            428: "Problem",
+            503: "Problem",
+        },
+    ),
+    ("/kvsp/leases", "post"): (
+        "LeaseRequest",
+        {201: "LeaseGrant", 404: "Problem", 422: "Problem", 429: "Problem"},
+    ),
+    ("/kvsp/leases/{lease}", "put"): (
+        "LeaseRenewal",
+        {200: "LeaseGrant", 404: "Problem", 422: "Problem", 429: "Problem"},
+    ),
+    ("/kvsp/leases/{lease}", "delete"): (None, {204: None, 404: "Problem"}),
+    ("/kvsp/prefetch", "post"): (
+        "PrefetchDirective",
+        {202: "DirectiveState", 403: "Problem", 409: "Problem", 422: "Problem"},
+    ),
+    ("/kvsp/prefetch/{directive}", "get"): (
+        None,
+        {200: "DirectiveState", 403: "Problem", 404: "Problem"},
+    ),
+    ("/kvsp/state", "put"): ("StateChange", {200: "StateAnswer", 403: "Problem"}),
+    ("/kvsp/generate", "post"): (
+        "GenerateRequest",
+        {202: "SessionAdmitted", 403: "Problem", 409: "Problem", 503: "Problem"},
+    ),
+    ("/kvsp/sessions/{session}/resume", "post"): (
+        "ResumeRequest",
+        {202: "SessionAdmitted", 403: "Problem", 409: "Problem", 503: "Problem"},
+    ),
+    # A plan is answered once its fetch ranges are loaded: 502 when a source failed, 503 when
+    # deadline_ms passed first.
+    ("/kvsp/reshard", "post"): (
+        "ReshardBody",
+        {200: "ReshardMove", 403: "Problem", 409: "Problem", 502: "Problem", 503: "Problem"},
+    ),
+}
+
+# Bodies that are not JSON, by schema name.
+MEDIA_TYPES = {"BlockContainer": (BLOCK_TYPE,)}
+
+_REPR_DIGEST = {"type": "string", "pattern": "^sha-256=:[A-Za-z0-9+/]{43}=:$"}
+
+
+def _header(name: str, schema: dict, description: str, *, required: bool) -> dict:
+    return {
+        "name": name,
+        "in": "header",
+        "required": required,
+        "schema": schema,
+        "description": description,
+    }
+
+
+# Header and query parameters, which drf-spectacular cannot see in the views.
+PARAMETERS = {
+    (_BLOCK, "get"): [
+        {
+            "name": "layers",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "pattern": "^[0-9]{1,10}-[0-9]{1,10}$"},
+            "description": "the inclusive layer range a-b (a <= b)",
+        },
+        {
+            "name": "codec",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "pattern": "^[0-9]{1,5}$"},
+            "description": "the codec asked for; this holder does not transcode (406)",
+        },
+    ],
+    (_BLOCK, "put"): [
+        _header(
+            "Repr-Digest",
+            _REPR_DIGEST,
+            "RFC 9530: the SHA-256 of the body; a PUT without it is refused (400)",
+            required=True,
+        ),
+        # Required by this holder: without it the answer is 428 (a holder never replaces a
+        # replica, so the client must say it expects none).
+        _header(
+            "If-None-Match",
+            {"type": "string", "enum": ["*"]},
+            "'*': store only where this holder has no replica of the key (else 412)",
+            required=True,
+        ),
+    ],
+}
+
+_LOCATION = {"Location": {"required": True, "schema": {"type": "string"}}}
+
+# Response headers by (path, method, status).
+RESPONSE_HEADERS = {
+    (_BLOCK, "get", 200): {
+        "Repr-Digest": {"required": True, "schema": _REPR_DIGEST},
+        "Cache-Control": {"required": True, "schema": {"type": "string"}},
+    },
+    (_BLOCK, "put", 201): _LOCATION,
+    ("/kvsp/leases", "post", 201): _LOCATION,
+    ("/kvsp/prefetch", "post", 202): _LOCATION,
+    ("/kvsp/generate", "post", 202): _LOCATION,
+}
+
+
+def _operation_ref(path: str, method: str) -> str:
+    return "#/paths/" + path.replace("~", "~0").replace("/", "~1") + "/" + method
+
+
+# Links from a created resource to the operations on it (OpenAPI 3.0 "links").
+LINKS = {
+    ("/kvsp/leases", "post", 201): {
+        "RenewLease": {
+            "operationRef": _operation_ref("/kvsp/leases/{lease}", "put"),
+            "parameters": {"lease": "$response.body#/lease"},
+        },
+        "ReleaseLease": {
+            "operationRef": _operation_ref("/kvsp/leases/{lease}", "delete"),
+            "parameters": {"lease": "$response.body#/lease"},
+        },
+    },
+    ("/kvsp/prefetch", "post", 202): {
+        "GetDirective": {
+            "operationRef": _operation_ref("/kvsp/prefetch/{directive}", "get"),
+            "parameters": {"directive": "$response.body#/directive"},
+        },
+    },
 }
 
 _COMMON_ERRORS = {
@@ -461,6 +795,10 @@ def _json_content(schema: dict, media_types=JSON_TYPES) -> dict:
     return {media_type: {"schema": schema} for media_type in media_types}
 
 
+def _content(schema_name: str) -> dict:
+    return _json_content(_ref(schema_name), MEDIA_TYPES.get(schema_name, JSON_TYPES))
+
+
 def _problem_response(description: str) -> dict:
     return {
         "description": description,
@@ -476,6 +814,8 @@ PATH_PARAMETERS = {
     "scope_id": _hex(16),
     "session": {"type": "string", "format": "uuid"},
     "to_version": _INT,
+    "directive": {"type": "string", "format": "uuid"},
+    "lease": _SEGMENT,
 }
 
 
@@ -495,12 +835,10 @@ def describe(result, generator, request, public):
             for parameter in operation.get("parameters", []):
                 if parameter.get("in") == "path" and parameter["name"] in PATH_PARAMETERS:
                     parameter["schema"] = PATH_PARAMETERS[parameter["name"]]
+            operation["parameters"] += PARAMETERS.get((path, method), [])
             request_schema, responses = OPERATIONS.get((path, method), (None, None))
             if request_schema is not None:
-                operation["requestBody"] = {
-                    "required": True,
-                    "content": _json_content(_ref(request_schema)),
-                }
+                operation["requestBody"] = {"required": True, "content": _content(request_schema)}
             elif method in ("get", "delete"):
                 operation.pop("requestBody", None)
             if responses is None:
@@ -512,10 +850,11 @@ def describe(result, generator, request, public):
                 elif schema == "Problem":
                     described[str(status)] = _problem_response("refused")
                 else:
-                    described[str(status)] = {
-                        "description": "success",
-                        "content": _json_content(_ref(schema)),
-                    }
+                    described[str(status)] = {"description": "success", "content": _content(schema)}
+                if (path, method, status) in RESPONSE_HEADERS:
+                    described[str(status)]["headers"] = RESPONSE_HEADERS[(path, method, status)]
+                if (path, method, status) in LINKS:
+                    described[str(status)]["links"] = LINKS[(path, method, status)]
             for status, description in _COMMON_ERRORS.items():
                 described.setdefault(str(status), _problem_response(description))
             operation["responses"] = described

@@ -118,7 +118,7 @@ class Directive(models.Model):
     compat_id = models.BinaryField(max_length=32)
     # The directive's "blocks": [{"block_key", "sources": [...]}, ...], sources ordered by cost.
     blocks = models.JSONField()
-    deadline_ms = models.PositiveIntegerField()
+    deadline_ms = models.PositiveBigIntegerField()
     lease_ms = models.PositiveIntegerField()
     state = models.CharField(
         max_length=16, choices=DirectiveState.choices, default=DirectiveState.PENDING
@@ -172,7 +172,7 @@ class ShardMap(models.Model):
     """
 
     map = models.CharField(max_length=128, unique=True)
-    version = models.PositiveIntegerField()
+    version = models.PositiveBigIntegerField()
     shards = models.JSONField()
     context = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -203,13 +203,13 @@ class ReshardOperation(models.Model):
     """
 
     shard_map = models.ForeignKey(ShardMap, on_delete=models.CASCADE, related_name="operations")
-    from_version = models.PositiveIntegerField()
-    to_version = models.PositiveIntegerField()
+    from_version = models.PositiveBigIntegerField()
+    to_version = models.PositiveBigIntegerField()
     next_shards = models.JSONField()
     # The context of version v+1: the map's own, or a longer one the reshard request gave (the
     # context grew by the blocks decoded since). The map takes it on commit.
     next_context = models.JSONField(null=True, blank=True)
-    deadline_ms = models.PositiveIntegerField()
+    deadline_ms = models.PositiveBigIntegerField()
     # One plan per member of either version, as sent (kvsp.records.ReshardPlan JSON, with the
     # block members of placement.resharding.ShardContext.plan_members when the map has a
     # context).

@@ -29,12 +29,12 @@ class Session(models.Model):
         on_delete=models.SET_NULL,
         related_name="sessions",
     )
-    epoch = models.PositiveIntegerField()
+    epoch = models.PositiveBigIntegerField()
     state = models.CharField(
         max_length=16, choices=SessionState.choices, default=SessionState.RUNNING
     )
     checkpoint = models.JSONField(null=True, blank=True)
-    checkpoint_epoch = models.PositiveIntegerField(default=0)
+    checkpoint_epoch = models.PositiveBigIntegerField(default=0)
     checkpoint_offset = models.PositiveIntegerField(default=0)
     checkpoints = models.PositiveIntegerField(default=0)
     # The number of output tokens the front end holds, and the index after the last one once
@@ -63,7 +63,7 @@ class OutputToken(models.Model):
     session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="tokens")
     index = models.PositiveIntegerField()
     token = models.PositiveBigIntegerField()
-    epoch = models.PositiveIntegerField()
+    epoch = models.PositiveBigIntegerField()
     delivered_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -266,7 +266,7 @@ class ServedSession(models.Model):
 
     instance = models.CharField(max_length=100)
     session = models.UUIDField()
-    epoch = models.PositiveIntegerField()
+    epoch = models.PositiveBigIntegerField()
     kind = models.CharField(max_length=16, choices=SessionKind.choices)
     scope_id = models.BinaryField(max_length=16)
     compat_id = models.BinaryField(max_length=32)
@@ -331,8 +331,8 @@ class ReshardMove(models.Model):
 
     instance = models.CharField(max_length=100)
     map = models.CharField(max_length=128)
-    from_version = models.PositiveIntegerField(null=True, blank=True)
-    to_version = models.PositiveIntegerField()
+    from_version = models.PositiveBigIntegerField(null=True, blank=True)
+    to_version = models.PositiveBigIntegerField()
     phase = models.CharField(max_length=16, choices=MovePhase.choices, default=MovePhase.PREPARING)
     # The plan as received, normalized (kvsp.records.ReshardPlan JSON and its block members).
     plan = models.JSONField(null=True, blank=True)

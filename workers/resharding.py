@@ -147,11 +147,18 @@ class PlanBlocks:
             yield from range(start // self.block_tokens, end // self.block_tokens)
 
     def keys(self, ranges: Iterable[TokenRange]) -> tuple[bytes, ...]:
-        return tuple(
-            bytes.fromhex(self.blocks[index])
-            for index in self.indexes(ranges)
-            if index in self.blocks
-        )
+        """The keys ``blocks`` names within ``ranges``. A retained range may span far more
+        blocks than the plan names (nothing needs their keys), so a range wider than the named
+        blocks is matched against them rather than walked."""
+        found = []
+        for start, end in ranges:
+            first, end_block = start // self.block_tokens, end // self.block_tokens
+            if end_block - first > len(self.blocks):
+                indexes = (i for i in sorted(self.blocks) if first <= i < end_block)
+            else:
+                indexes = (i for i in range(first, end_block) if i in self.blocks)
+            found.extend(bytes.fromhex(self.blocks[index]) for index in indexes)
+        return tuple(found)
 
     def to_json(self) -> dict:
         return {

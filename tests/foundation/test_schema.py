@@ -11,3 +11,26 @@ def test_openapi_schema_is_served_without_credentials():
     schema = orjson.loads(response.content)
     assert schema["openapi"].startswith("3.")
     assert schema["info"]["title"].startswith("KVSP")
+
+
+def test_node_schema_states_bodies_headers_and_problems():
+    from drf_spectacular.generators import SchemaGenerator
+
+    schema = SchemaGenerator(urlconf="kvspsite.urls_node").get_schema(request=None, public=True)
+    block = schema["paths"]["/kvsp/blocks/{compat_id}/{scope_id}/{block_key}"]
+    assert list(block["put"]["requestBody"]["content"]) == ["application/kvsp-block"]
+    headers = {p["name"]: p for p in block["put"]["parameters"] if p["in"] == "header"}
+    assert headers["Repr-Digest"]["required"] and headers["If-None-Match"]["required"]
+    assert "application/kvsp-block" in block["get"]["responses"]["200"]["content"]
+    for path, method in [
+        ("/kvsp/leases", "post"),
+        ("/kvsp/leases/{lease}", "put"),
+        ("/kvsp/prefetch", "post"),
+        ("/kvsp/state", "put"),
+        ("/kvsp/generate", "post"),
+        ("/kvsp/sessions/{session}/resume", "post"),
+        ("/kvsp/reshard", "post"),
+    ]:
+        operation = schema["paths"][path][method]
+        assert "application/kvsp+json" in operation["requestBody"]["content"], path
+        assert "application/problem+json" in operation["responses"]["422"]["content"], path

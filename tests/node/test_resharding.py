@@ -541,6 +541,15 @@ def test_decisions_are_idempotent_late_ones_refused_and_a_leased_block_waits(sha
     late = {**plan, "map": never, "from": 7, "to": 8}
     assert problem(sharding.decide(a, late)) == "kvsp-invalid-state"
 
+    # Versions are stored whole, up to the largest JSON integer the records admit.
+    assert sharding.decide(a, {"map": never, "commit": 2**53 - 1}).status_code == 200
+    # A retained range may be far wider than the blocks the plan names: nothing walks it (a
+    # walk of 2^32 blocks would outlast the client's timeout).
+    wide = {**plan, "map": f"w-{sharding.run}", "block_tokens": 1, "deadline_ms": 1000}
+    wide.update(retain=[[0, 2**32 - 1]], release=[], blocks={"0": keys[0]})
+    answered = sharding.decide(a, wide)
+    assert answered.status_code == 200, answered.text
+
     # Plans this node cannot carry out.
     elsewhere = {**plan, "map": f"x-{sharding.run}", "instance": sharding.node("r2").url}
     assert problem(sharding.decide(a, elsewhere)) == "kvsp-invalid-record"

@@ -590,7 +590,10 @@ def test_generate_is_checked_before_anything_is_admitted(serving):
 
     first = reader.post("generate", json=body)
     again = reader.post("generate", json=body)
-    assert first.status_code == again.status_code == 202 and first.json() == again.json()
+    assert first.status_code == again.status_code == 202
+    # A repeat is the same session, answered as it stands now: the worker may have started it.
+    assert {first.json()["state"], again.json()["state"]} <= {"accepted", "running"}
+    assert {**first.json(), "state": None} == {**again.json(), "state": None}
     clash = reader.post("generate", json={**body, "max_tokens": 3})
     assert clash.status_code == 409 and problem(clash) == "kvsp-conflict"
     completed(session)

@@ -157,6 +157,10 @@ def test_shard_map_rules(controller):
     assert node.put("/kvsp/shardmaps/ctx-1", v1).status_code == 403
     assert controller.get("/kvsp/shardmaps/nope").status_code == 404
     assert body(controller.get("/kvsp/shardmaps/ctx-1"))["version"] == 1
+    # Versions are JSON integers up to 2^53 - 1 (kvsp.records), and stored whole.
+    last = {**shard_map(2**53 - 1, ((0, 100), url)), "map": "ctx-2"}
+    assert controller.put("/kvsp/shardmaps/ctx-2", last).status_code == 201
+    assert body(controller.get("/kvsp/shardmaps/ctx-2"))["version"] == 2**53 - 1
 
 
 @pytest.mark.django_db

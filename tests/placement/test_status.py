@@ -55,6 +55,17 @@ def test_a_lower_epoch_is_discarded_and_changes_nothing(ii1):
     assert (instance.epoch, instance.running) == (5, 7)
 
 
+# The refused statement runs in autocommit, as in production: no test transaction around it.
+@pytest.mark.django_db(transaction=True)
+def test_a_figure_past_what_the_database_stores_is_refused_and_changes_nothing(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=5, running=7))
+    response = report(ii1, "ii1", status_record(URL, epoch=6, running=2**40))
+    assert response.status_code == 422, response.content
+    assert problem_name(response) == "kvsp-invalid-record"
+    instance = Instance.objects.get()
+    assert (instance.epoch, instance.running) == (5, 7)
+
+
 def test_a_higher_epoch_is_a_restart(ii1):
     report(ii1, "ii1", status_record(URL, epoch=5))
     assert body(report(ii1, "ii1", status_record(URL, epoch=9))) == {"state": "active"}

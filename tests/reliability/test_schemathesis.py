@@ -1,16 +1,17 @@
-"""Schemathesis with every check over the control plane's OpenAPI description, against a real
-gunicorn server on Postgres: no 5xx, documented statuses and media types, responses that match
-their schemas, authentication never ignored, nothing usable after it is deleted.
+"""Schemathesis with every check over each role's OpenAPI description, against real gunicorn
+servers on Postgres: no 5xx, documented statuses and media types, responses that match their
+schemas, authentication never ignored, nothing usable after it is deleted.
 """
 
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.support.fixtures import make_caller, make_scope
-from tests.support.processes import BIN, ROOT
+from tests.support.processes import BIN, ROOT, free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -21,23 +22,85 @@ def test_control_plane_survives_schemathesis(role_env, start_process, artifacts_
     make_scope("tenant-a")
     fuzzer = make_caller("fuzzer", controller=True)
     server = start_process("server", "control", role_env(KVSP_RATE_LIMIT_PER_S="0"), workers=2)
-    report = artifacts_dir / "schemathesis"
+    result = _schemathesis(server.url, fuzzer.token, artifacts_dir / "schemathesis")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_node_survives_schemathesis(role_env, start_process, artifacts_dir, tmp_path):
+    """A storage-only node with its worker, and the control plane it reports to and asks for
+    geometry. The fuzzer is the Placement Controller's principal, the one that may call every
+    node route (prefetch, state, resume and reshard are its alone)."""
+    from index.services import do_create_principal
+    from placement.services import do_register_instance
+
+    scope = make_scope("tenant-a")
+    fuzzer = make_caller("fuzzer", controller=True)
+    port = free_port()
+    name, url = "fuzzed", f"http://127.0.0.1:{port}/kvsp/"
+    do_register_instance(name, url)
+    node_token = do_create_principal(
+        f"node-{name}", scope_ids=[bytes(scope.scope_id)], holder_urls=[url], instance=name
+    ).token
+    control = start_process(
+        "server",
+        "control",
+        role_env(KVSP_RATE_LIMIT_PER_S="0", KVSP_TOKEN=fuzzer.token),
+        workers=2,
+    )
+    shm_dir = Path(tempfile.mkdtemp(prefix="kvsp-fuzz-", dir="/dev/shm"))
+    try:
+        env = role_env(
+            KVSP_ROLE="node",
+            KVSP_INSTANCE=name,
+            KVSP_PUBLIC_URL=url,
+            KVSP_CONTROL_URL=f"{control.url}/kvsp/",
+            KVSP_TOKEN=node_token,
+            KVSP_SHM_DIR=str(shm_dir),
+            KVSP_DISK_DIR=str(tmp_path / "disk"),
+            KVSP_RATE_LIMIT_PER_S="0",
+        )
+        server = start_process("server", f"node-{name}", env, port=port, workers=2)
+        # The worker carries out prefetch directives and the loads of reshard plans, so that a
+        # plan the fuzzer sends is answered when its (unreachable) sources fail, not at its
+        # deadline.
+        start_process(
+            "worker",
+            f"node-{name}-worker",
+            env,
+            queues=[f"ii.{name}"],
+            pool="threads",
+            concurrency=4,
+        )
+        # One worker: with two, Hypothesis on Python 3.11 now and then fails inside schemathesis
+        # ("AST constructor recursion depth mismatch", parsing a lambda's source in two threads
+        # at once), a runtime error of the generator, not a finding about the API.
+        result = _schemathesis(
+            server.url, fuzzer.token, artifacts_dir / "schemathesis-node", workers=1
+        )
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def _schemathesis(
+    base: str, token: str, report: Path, *, workers: int = 2
+) -> subprocess.CompletedProcess:
     shutil.rmtree(report, ignore_errors=True)
-    result = subprocess.run(
+    return subprocess.run(
         [
             str(BIN / "st"),
             "--config-file",
             str(CONFIG),
             "run",
-            f"{server.url}/kvsp/schema?format=json",
+            f"{base}/kvsp/schema?format=json",
             "--header",
-            f"Authorization: Bearer {fuzzer.token}",
+            f"Authorization: Bearer {token}",
             "--checks",
             "all",
             "--max-time",
             "45",
             "--workers",
-            "2",
+            str(workers),
             "--seed",
             "20261129",
             "--report",
@@ -50,4 +113,3 @@ def test_control_plane_survives_schemathesis(role_env, start_process, artifacts_
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
