@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
+from kvsp.sharding import MAX_DEADLINE_MS
+
 JSON_TYPES = ("application/kvsp+json", "application/json")
 BLOCK_TYPE = "application/kvsp-block"
 
@@ -40,6 +42,7 @@ _INT = {"type": "integer", "minimum": 0, "maximum": 9007199254740991}
 _POSITIVE = {"type": "integer", "minimum": 1, "maximum": 9007199254740991}
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": 4294967295}
 _RANGE = {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}
+_RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS}
 # OpenAPI 3.0 spells an exclusive bound as a flag on the bound.
 _POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
 
@@ -376,7 +379,7 @@ SCHEMAS = {
                 "minItems": 1,
                 "items": _object({"tokens": _RANGE, "instance": _URL}, ["tokens", "instance"]),
             },
-            "deadline_ms": {"type": "integer", "minimum": 1, "maximum": 600000},
+            "deadline_ms": _RESHARD_DEADLINE,
         },
         ["shards", "deadline_ms"],
     ),
@@ -530,7 +533,7 @@ SCHEMAS.update(
                 "instance": _URL,
                 "from": _INT,
                 "to": _POSITIVE,
-                "deadline_ms": _POSITIVE,
+                "deadline_ms": _RESHARD_DEADLINE,
                 "retain": {"type": "array", "items": _RANGE, "maxItems": 8192},
                 "fetch": {
                     "type": "array",

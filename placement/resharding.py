@@ -38,8 +38,6 @@ from placement.models import ReshardOperation, ReshardPhase, ShardMap
 
 log = logging.getLogger(__name__)
 
-MAX_DEADLINE_MS = 600_000
-
 
 def _record(row: ShardMap) -> ShardMapRecord:
     return ShardMapRecord.from_json(row.document())
@@ -233,9 +231,9 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
     if not isinstance(body, dict):
         raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
     deadline_ms = body.get("deadline_ms")
-    if type(deadline_ms) is not int or not 1 <= deadline_ms <= MAX_DEADLINE_MS:
+    if type(deadline_ms) is not int or not 1 <= deadline_ms <= sharding.MAX_DEADLINE_MS:
         raise ProtocolError(
-            "kvsp-invalid-record", f"deadline_ms: an integer from 1 to {MAX_DEADLINE_MS}"
+            "kvsp-invalid-record", f"deadline_ms: an integer from 1 to {sharding.MAX_DEADLINE_MS}"
         )
     shards = body.get("shards")
     if not isinstance(shards, list):

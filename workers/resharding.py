@@ -49,6 +49,7 @@ from django.db import close_old_connections, connections
 from django.db.models import Q
 from django.utils import timezone
 
+from kvsp import sharding
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from kvsp.records import (
@@ -205,6 +206,10 @@ def do_prepare(plan: ReshardPlan, body: dict) -> ReshardMove:
     if plan.instance is not None and plan.instance != settings.KVSP_PUBLIC_URL:
         raise InvalidRecord(
             ("instance",), f"the plan is for {plan.instance}, not for this instance"
+        )
+    if plan.deadline_ms > sharding.MAX_DEADLINE_MS:
+        raise InvalidRecord(
+            ("deadline_ms",), f"must be an integer from 1 to {sharding.MAX_DEADLINE_MS}"
         )
     blocks = PlanBlocks.of(plan, body)
     document = plan.to_json()

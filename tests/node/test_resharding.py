@@ -551,6 +551,8 @@ def test_decisions_are_idempotent_late_ones_refused_and_a_leased_block_waits(sha
     assert answered.status_code == 200, answered.text
 
     # Plans this node cannot carry out.
+    patient = {**plan, "map": f"p-{sharding.run}", "deadline_ms": 600_001}
+    assert problem(sharding.decide(a, patient)) == "kvsp-invalid-record"
     elsewhere = {**plan, "map": f"x-{sharding.run}", "instance": sharding.node("r2").url}
     assert problem(sharding.decide(a, elsewhere)) == "kvsp-invalid-record"
     fetch = [{"tokens": [0, 8], "from": sharding.node("r2").url}]
