@@ -29,16 +29,15 @@ import time
 from pathlib import Path
 
 import httpx
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_index import ensure_wrk, percentile  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
+from bench.support import PG, fresh_database  # noqa: E402
 from kvspsite.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
 
-PG = "postgres://postgres@127.0.0.1:5432"
 COMPAT = "ab" * 32
 HOLDERS = ["http://soak-holder-a.test/kvsp/", "http://soak-holder-b.test/kvsp/"]
 
@@ -51,10 +50,7 @@ def _json(result):
 
 def prepare(env: dict, instances: int) -> dict:
     """Database, principals and the simulated instances, through the management commands."""
-    database = env["DATABASE_URL"].rsplit("/", 1)[1]
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {database}")
+    fresh_database(env["DATABASE_URL"].rsplit("/", 1)[1])
     if run_manage("migrate", "--no-input", env=env).returncode:
         sys.exit("migrate failed")
     scope = _json(run_manage("kvsp_scope", "create", "soak", env=env))["scope_id"]

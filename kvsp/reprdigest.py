@@ -77,6 +77,15 @@ def parse_repr_digest(value: str | bytes, *, problem: str = "kvsp-malformed-requ
     return digests
 
 
+def claimed_sha256(value: str | bytes, *, problem: str = "kvsp-malformed-request") -> bytes:
+    """The SHA-256 a Repr-Digest field claims; ProtocolError (``problem``) when the field is
+    malformed or has no sha-256 member."""
+    sha256 = parse_repr_digest(value, problem=problem).get(ALGORITHM)
+    if sha256 is None:
+        raise ProtocolError(problem, "Repr-Digest has no sha-256 member")
+    return sha256
+
+
 class ReprDigestHasher:
     """SHA-256 of a representation that arrives in chunks, for a streamed body."""
 
@@ -127,9 +136,7 @@ def verify_repr_digest(
         actual = bytes(sha256)
     else:
         actual = _sha256_of(content)
-    expected = parse_repr_digest(value, problem=problem).get(ALGORITHM)
-    if expected is None:
-        raise ProtocolError(problem, "Repr-Digest has no sha-256 member")
+    expected = claimed_sha256(value, problem=problem)
     if not hmac.compare_digest(actual, expected):
         raise ProtocolError(
             "kvsp-digest-mismatch",

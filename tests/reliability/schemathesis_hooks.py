@@ -6,10 +6,13 @@ containers (codec raw, one to three layers), so that both the container parser's
 the checks past it are reached.
 """
 
+import re
+
 import schemathesis
 from hypothesis import strategies as st
 
 from kvsp.container import RAW_CODEC, encode
+from kvsp.reprdigest import repr_digest_of
 
 
 @st.composite
@@ -22,5 +25,24 @@ def _container(draw) -> bytes:
 
 
 schemathesis.openapi.media_type(
-    "application/kvsp-block", st.one_of(st.binary(max_size=512), _container())
+    "application/kvsp-block", st.one_of(st.binary(min_size=1, max_size=512), _container())
 )
+
+_WELL_FORMED_DIGEST = re.compile(r"^sha-256=:[A-Za-z0-9+/]{43}=:$")
+
+
+@schemathesis.hook
+def map_case(context, case):
+    """A well-formed Repr-Digest drawn for a block PUT becomes the digest of the drawn body, as
+    a real client sends it, so that stores succeed too; a missing or malformed one is left as
+    drawn (those refusals are what the negative cases test)."""
+    headers = case.headers or {}
+    digest = headers.get("Repr-Digest")
+    if (
+        case.method.upper() == "PUT"
+        and isinstance(case.body, bytes)
+        and isinstance(digest, str)
+        and _WELL_FORMED_DIGEST.match(digest)
+    ):
+        headers["Repr-Digest"] = repr_digest_of(case.body)
+    return case

@@ -28,7 +28,7 @@ from kvsp.records import (
     ReshardPlan,
     parse_reshard_body,
 )
-from kvsp.reprdigest import verify_repr_digest
+from kvsp.reprdigest import claimed_sha256, verify_repr_digest
 from kvspsite.api import (
     KvspBlockParser,
     KvspBlockRenderer,
@@ -123,6 +123,16 @@ class BlockView(APIView):
                 "a block is stored with If-None-Match: * (a holder never replaces a replica)",
                 status=status.HTTP_428_PRECONDITION_REQUIRED,
             )
+        claimed = request.headers.get("Repr-Digest")
+        if not claimed:
+            # The holder stores what it will serve under its own Repr-Digest; without the
+            # sender's, a body damaged in transit would pass as long as it parsed.
+            raise ProtocolError(
+                "kvsp-malformed-request",
+                "a block is stored with a Repr-Digest field (RFC 9530) carrying the sha-256 "
+                "of the body",
+            )
+        claimed_sha256(claimed)  # a malformed field is refused before anything is looked up
         length = request.headers.get("Content-Length", "")
         if not length.isdigit() or int(length) == 0:
             raise ProtocolError(
@@ -134,15 +144,6 @@ class BlockView(APIView):
             raise ProtocolError(
                 "kvsp-payload-too-large",
                 f"a block body is at most {settings.KVSP_MAX_BLOCK_OCTETS} octets",
-            )
-        claimed = request.headers.get("Repr-Digest")
-        if not claimed:
-            # The holder stores what it will serve under its own Repr-Digest; without the
-            # sender's, a body damaged in transit would pass as long as it parsed.
-            raise ProtocolError(
-                "kvsp-malformed-request",
-                "a block is stored with a Repr-Digest field (RFC 9530) carrying the sha-256 "
-                "of the body",
             )
         ids = (bytes(compat_id), bytes(scope_id), bytes(block_key))
         if selectors.held_block(selectors.node_name(), *ids) is not None:
