@@ -178,15 +178,8 @@ class DirectiveRun:
         workers = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(missing)))
         with peer_client() as client:
             self._lease_ahead(client, missing)
-            threads = [
-                threading.Thread(target=loader, args=(client,), name=f"prefetch-{i}")
-                for i in range(workers)
-            ]
             try:
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
+                fetch.in_threads(loader, client, workers, "prefetch")
             finally:
                 for lease in self.leases.values():
                     fetch.release_lease(client, lease)

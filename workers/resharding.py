@@ -376,15 +376,8 @@ class MoveLoad:
 
         workers = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(missing)))
         with peer_client() as client:
-            threads = [
-                threading.Thread(target=loader, args=(client,), name=f"reshard-{i}")
-                for i in range(workers)
-            ]
             try:
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
+                fetch.in_threads(loader, client, workers, "reshard")
             finally:
                 for lease in self.leases.values():
                     if lease is not None:
