@@ -91,16 +91,6 @@ def problem(response: httpx.Response) -> str:
     return document["type"].rsplit("/", 1)[-1]
 
 
-def wait_until(predicate, what: str, timeout: float = 30, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"no {what} after {timeout}s")
-
-
 class StandinHolder:
     """A holder on a loopback port serving the blocks it is given, with leases.
 

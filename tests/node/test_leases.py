@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.node.conftest import BLOCK_OCTETS
-from tests.node.support import container, problem, random_key, wait_until
+from tests.node.support import container, problem, random_key
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 

@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from tests.node.support import container, random_key, wait_until
+from tests.node.support import container, random_key
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 

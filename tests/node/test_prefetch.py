@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from tests.node.support import container, problem, random_key, sha256, wait_until
+from tests.node.support import container, problem, random_key, sha256
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from tests.node.conftest import Node, start_all
-from tests.node.support import container, problem, random_key, wait_until
+from tests.node.support import container, problem, random_key
 from tests.support.processes import free_port
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from tests.node.conftest import Node, start_all
-from tests.node.support import problem, wait_until
+from tests.node.support import problem
 from tests.support.processes import Beat, free_port
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 

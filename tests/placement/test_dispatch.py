@@ -2,8 +2,6 @@
 (6.5), state changes (6.3), the wake path (6.4), and failure detection by Celery beat.
 """
 
-import time
-
 import pytest
 from django.utils import timezone
 
@@ -11,17 +9,9 @@ from placement.models import Directive, DirectiveState, Instance
 from tests.placement.conftest import HOLDER
 from tests.support.fixtures import body, make_caller, make_instance, report, status_record
 from tests.support.standin import StandinNode
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_until(predicate, what, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(what)
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """Resharding as a two-phase commit (spec 6.9), driven by the PC against instances on loopback."""
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -10,17 +9,9 @@ from placement import resharding
 from placement.models import ReshardOperation, ShardMap
 from tests.support.fixtures import body, make_caller, problem_name, random_key
 from tests.support.standin import StandinNode
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_until(predicate, what, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(what)
 
 
 @pytest.fixture

@@ -22,19 +22,11 @@ from tests.support.fixtures import (
 )
 from tests.support.processes import Server
 from tests.support.standin import StandinNode
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 COMPAT = "c5" * 32
-
-
-def wait_until(predicate, what, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(what)
 
 
 def test_no_acknowledged_publish_is_lost_when_the_control_plane_is_killed(role_env, log_dir):

@@ -23,19 +23,11 @@ from tests.support.fixtures import (
     status_record,
 )
 from tests.support.standin import StandinNode
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 COMPAT = "c6" * 32
-
-
-def wait_until(predicate, what, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(what)
 
 
 def _redis(*args):

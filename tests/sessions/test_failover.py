@@ -1,6 +1,5 @@
 """Failover (6.8): the PC raises the epoch, resumes elsewhere, and the old epoch is refused."""
 
-import time
 import uuid
 from datetime import timedelta
 
@@ -20,19 +19,11 @@ from tests.support.fixtures import (
     status_record,
 )
 from tests.support.standin import StandinNode
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 LINKS = [{"holder": HOLDER, "mbit_per_s": 100_000, "rtt_us": 10}]
-
-
-def wait_until(predicate, what, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(what)
 
 
 @pytest.fixture
