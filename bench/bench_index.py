@@ -34,10 +34,10 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.support import PG, fresh_database  # noqa: E402
 from tests.support.processes import Server, run_manage  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
-from bench.support import PG, fresh_database  # noqa: E402
 
 DB = "kvsp_bench"
 COMPAT = bytes.fromhex("c0" * 32)
