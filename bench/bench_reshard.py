@@ -117,14 +117,7 @@ def main() -> None:
                 concurrency=4,
             )
         )
-    try:
-        for process in processes:
-            process.start()
-        run(options, cluster)
-    finally:
-        for process in reversed(processes):
-            process.stop()
-        cluster.remove_files()
+    cluster.run(processes, lambda started: run(options, started))
 
 
 def block_gets(url: str) -> int:

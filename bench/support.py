@@ -117,6 +117,15 @@ class BenchCluster:
             **extra,
         }
 
-    def remove_files(self) -> None:
-        shutil.rmtree(self.shm, ignore_errors=True)
-        shutil.rmtree(self.work, ignore_errors=True)
+    def run(self, processes: list, work) -> None:
+        """Start ``processes``, call ``work(self)``, and stop them and remove the files
+        whatever happens."""
+        try:
+            for process in processes:
+                process.start()
+            work(self)
+        finally:
+            for process in reversed(processes):
+                process.stop()
+            shutil.rmtree(self.shm, ignore_errors=True)
+            shutil.rmtree(self.work, ignore_errors=True)

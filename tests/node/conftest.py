@@ -129,6 +129,39 @@ def start_all(processes: list[Process]) -> None:
             process.wait_for(lambda p=process: " ready." in p.log(), "ready line", timeout=90)
 
 
+def extra_node(
+    cluster: Cluster, role_env, log_dir: Path, name: str, scope_ids: list[bytes], **settings
+) -> Node:
+    """A further node, registered with a principal of ``scope_ids``, storing its tiers beside
+    n1's and reporting to the cluster's control plane, with no engine (the caller needs the
+    database unblocked and starts its processes)."""
+    from index.services import do_create_principal
+    from placement.services import do_register_instance
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/kvsp/"
+    do_register_instance(name, url)
+    token = do_create_principal(
+        f"node-{name}", scope_ids=scope_ids, holder_urls=[url], instance=name
+    ).token
+    holder = cluster.node("n1")
+    env = role_env(
+        KVSP_ROLE="node",
+        KVSP_INSTANCE=name,
+        KVSP_PUBLIC_URL=url,
+        KVSP_CONTROL_URL=cluster.cp_url,
+        KVSP_TOKEN=token,
+        KVSP_SHM_DIR=str(holder.shm_dir),
+        KVSP_DISK_DIR=str(holder.disk_dir),
+        KVSP_REPLICA_TTL_MS="60000",
+        KVSP_LEASE_MAX_TTL_MS="60000",
+        KVSP_PREFILL_TOKENS_PER_S="1",
+        KVSP_DECODE_TOKENS_PER_S="1",
+        **settings,
+    )
+    return Node(name, port, env, log_dir, holder.shm_dir, holder.disk_dir, token)
+
+
 @pytest.fixture(scope="package")
 def cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path_factory):
     from django.core.management import call_command

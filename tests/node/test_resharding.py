@@ -23,9 +23,8 @@ import httpx
 import pytest
 import torch
 
-from tests.node.conftest import Node, start_all
+from tests.node.conftest import Node, extra_node, start_all
 from tests.node.support import container, problem, random_key
-from tests.support.processes import free_port
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -171,43 +170,21 @@ def resume(node: Node) -> None:
 def sharding(cluster, django_db_blocker, role_env, log_dir):
     from index.models import Scope
     from index.scopekeys import open_scope_key
-    from index.services import do_create_principal, do_register_descriptor
+    from index.services import do_register_descriptor
     from kvsp.compat import compat_id_hex
-    from placement.services import do_register_instance
     from workers.engines.modeldir import reference_descriptor
 
     run = os.urandom(3).hex()
-    holder = cluster.node("n1")
     descriptor = reference_descriptor(cluster.model_dir, block_tokens=BLOCK_TOKENS)
     compat = compat_id_hex(descriptor)
-    keys = ("r1", "r2", "r3")
-    ports = {key: free_port() for key in keys}
     nodes: dict[str, Node] = {}
     with django_db_blocker.unblock():
         do_register_descriptor(descriptor, compat)
         scope = Scope.objects.get(scope_id=bytes.fromhex(cluster.scope_a))
         scope_key = open_scope_key(scope.scope_id, scope.key_ciphertext)
-        for key in keys:
-            name, url = f"{key}-{run}", f"http://127.0.0.1:{ports[key]}/kvsp/"
-            do_register_instance(name, url)
-            token = do_create_principal(
-                f"node-{name}", scope_ids=[bytes(scope.scope_id)], holder_urls=[url], instance=name
-            ).token
-            env = role_env(
-                KVSP_ROLE="node",
-                KVSP_INSTANCE=name,
-                KVSP_PUBLIC_URL=url,
-                KVSP_CONTROL_URL=cluster.cp_url,
-                KVSP_TOKEN=token,
-                KVSP_SHM_DIR=str(holder.shm_dir),
-                KVSP_DISK_DIR=str(holder.disk_dir),
-                KVSP_REPLICA_TTL_MS="60000",
-                KVSP_LEASE_MAX_TTL_MS="60000",
-                KVSP_PREFILL_TOKENS_PER_S="1",
-                KVSP_DECODE_TOKENS_PER_S="1",
-            )
-            nodes[key] = Node(
-                name, ports[key], env, log_dir, holder.shm_dir, holder.disk_dir, token
+        for key in ("r1", "r2", "r3"):
+            nodes[key] = extra_node(
+                cluster, role_env, log_dir, f"{key}-{run}", [bytes(scope.scope_id)]
             )
     try:
         start_all([process for node in nodes.values() for process in node.processes()])

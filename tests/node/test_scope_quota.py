@@ -25,9 +25,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
-from tests.node.conftest import BLOCK_OCTETS, Node, start_all
+from tests.node.conftest import BLOCK_OCTETS, Node, extra_node, start_all
 from tests.node.support import container, problem, random_key
-from tests.support.processes import free_port
 from workers import services, tiers
 from workers.models import StoredBlock
 
@@ -48,40 +47,16 @@ class Tenant:
 
 @pytest.fixture(scope="module")
 def quota_nodes(cluster, django_db_blocker, role_env, log_dir):
-    from index.services import do_create_principal
-    from placement.services import do_register_instance
-
     run = os.urandom(3).hex()
-    holder = cluster.node("n1")
     settings_of = {"q1": {}, "q2": {"KVSP_SCOPE_QUOTA_OCTETS": str(2 * BLOCK_OCTETS)}}
     scope_ids = [bytes.fromhex(cluster.scope_a), bytes.fromhex(cluster.scope_b)]
     nodes: dict[str, Node] = {}
-    for key, extra in settings_of.items():
-        port = free_port()
-        name, url = f"{key}-{run}", f"http://127.0.0.1:{port}/kvsp/"
-        with django_db_blocker.unblock():
-            do_register_instance(name, url)
-            token = do_create_principal(
-                f"node-{name}", scope_ids=scope_ids, holder_urls=[url], instance=name
-            ).token
-        env = role_env(
-            KVSP_ROLE="node",
-            KVSP_INSTANCE=name,
-            KVSP_PUBLIC_URL=url,
-            KVSP_CONTROL_URL=cluster.cp_url,
-            KVSP_TOKEN=token,
-            KVSP_SHM_DIR=str(holder.shm_dir),
-            KVSP_DISK_DIR=str(holder.disk_dir),
-            KVSP_REPLICA_TTL_MS="60000",
-            KVSP_LEASE_MAX_TTL_MS="60000",
-            KVSP_PREFILL_TOKENS_PER_S="1",
-            KVSP_DECODE_TOKENS_PER_S="1",
-            **NODE_TIERS,
-            **extra,
-        )
-        nodes[key] = Node(
-            name, port, env, log_dir, holder.shm_dir, holder.disk_dir, token, http_workers=1
-        )
+    with django_db_blocker.unblock():
+        for key, extra in settings_of.items():
+            nodes[key] = extra_node(
+                cluster, role_env, log_dir, f"{key}-{run}", scope_ids, **NODE_TIERS, **extra
+            )
+            nodes[key].http_workers = 1
     try:
         # PUTs, GETs, leases and records are all the HTTP process's: no worker is needed.
         start_all([node.processes()[0] for node in nodes.values()])
