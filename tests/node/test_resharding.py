@@ -84,6 +84,17 @@ class Sharding:
         created = self.controller().put(f"shardmaps/{name}", json=document)
         assert created.status_code == 201, created.text
 
+    def halves(self, label: str) -> tuple[str, list[str]]:
+        """A map of 16 noise blocks, the first 8 held by r1 and the rest by r2, as version 1:
+        its name and its keys."""
+        a, b = self.node("r1"), self.node("r2")
+        keys, blocks = noise_blocks(16)
+        name = f"{label}-{self.run}"
+        self.place(a, keys[:8], blocks[:8])
+        self.place(b, keys[8:], blocks[8:])
+        self.put_map(name, keys, (0, 8, a), (8, 16, b))
+        return name, keys
+
     def reshard(self, name: str, *spans, deadline_ms: int) -> dict:
         body = {"shards": self.shards(*spans), "deadline_ms": deadline_ms}
         started = self.controller().post(f"shardmaps/{name}/reshard", json=body)
@@ -338,11 +349,7 @@ def test_a_member_that_never_acknowledges_aborts_and_what_it_fetched_is_discarde
     """b is stopped: neither its plan nor c's fetch from it can finish. The PC aborts; c
     discards the blocks it had fetched from a; nothing is released."""
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
-    keys, blocks = noise_blocks(16)
-    name = f"stopped-{sharding.run}"
-    sharding.place(a, keys[:8], blocks[:8])
-    sharding.place(b, keys[8:], blocks[8:])
-    sharding.put_map(name, keys, (0, 8, a), (8, 16, b))
+    name, keys = sharding.halves("stopped")
     pause(b)
     try:
         sharding.reshard(name, (0, 4, a), (4, 12, c), (12, 16, b), deadline_ms=3000)
@@ -379,11 +386,7 @@ def test_a_member_killed_after_acknowledging_applies_the_commit_after_its_restar
     last. The PC commits and keeps telling c, which, restarted, holds and publishes what it had
     fetched."""
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
-    keys, blocks = noise_blocks(16)
-    name = f"killed-{sharding.run}"
-    sharding.place(a, keys[:8], blocks[:8])
-    sharding.place(b, keys[8:], blocks[8:])
-    sharding.put_map(name, keys, (0, 8, a), (8, 16, b))
+    name, keys = sharding.halves("killed")
     pause(b)
     try:
         sharding.reshard(name, (0, 4, a), (4, 8, c), (8, 16, b), deadline_ms=30_000)
@@ -421,11 +424,7 @@ def test_a_pc_restart_between_prepare_and_commit_is_finished_by_resume_reshards(
     from placement.tasks import resume_reshards
 
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
-    keys, blocks = noise_blocks(16)
-    name = f"pc-restart-{sharding.run}"
-    sharding.place(a, keys[:8], blocks[:8])
-    sharding.place(b, keys[8:], blocks[8:])
-    sharding.put_map(name, keys, (0, 8, a), (8, 16, b))
+    name, keys = sharding.halves("pc-restart")
     worker = sharding.cluster.control_worker
     pause(b)
     try:
