@@ -333,6 +333,10 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "data_folder_out": str(_broker_dir / "queue"),
         "processed_folder": str(_broker_dir / "processed"),
         "control_folder": str(_broker_dir / "control"),
+        # kombu reads the folder once a second by default: every hop of a request (a
+        # placement's directive, a generate, a resume) would wait for it. A listing of a small
+        # folder costs microseconds.
+        "polling_interval": _float_setting("KVSP_BROKER_POLL_S", 0.02),
         "store_processed": False,
     }
 if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):

@@ -50,8 +50,16 @@ def test_every_node_reports_at_least_every_third_of_its_ttl(cluster):
         assert abs(status["epoch"] - time.time() * 1000) < 15 * 60 * 1000
         assert status["running"] >= 0 and status["queued"] >= 0
         assert 0 <= status["kv_utilization"] <= 1
-    # The node with an engine reports what it serves and its measured rates.
-    n2 = instance(cluster.node("n2").name).last_status
+    # The node with an engine reports what it serves (once it has loaded) and its measured
+    # rates.
+    n2 = wait_until(
+        lambda: (
+            (s := instance(cluster.node("n2").name).last_status)["compat_ids"]
+            and s["decode_tokens_per_s"] != 1_000
+            and s
+        ),
+        "n2 reporting its engine and its measured rates",
+    )
     assert n2["compat_ids"] == [cluster.compat]
     assert n2["decode_tokens_per_s"] != 1_000 and n2["prefill_tokens_per_s"] != 10_000
 
