@@ -160,9 +160,15 @@ _database_url = _url_setting(
 DATABASES = {"default": env.db_url_config(_database_url)}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
-    # The embedded default serves several local processes; waiting beats "database is locked".
+    # The embedded default serves every process of a local cluster from one file. WAL lets
+    # readers run beside the one writer; writes take the lock at BEGIN (IMMEDIATE), so a
+    # transaction never fails half way for want of it; no transaction makes a network call.
     DATABASES["default"].setdefault("OPTIONS", {}).update(
-        {"timeout": 30, "transaction_mode": "IMMEDIATE"}
+        {
+            "timeout": 30,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+        }
     )
     # A file, not memory, so that servers started by the tests share the test database.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-kvsp.sqlite3")}
@@ -327,6 +333,10 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "data_folder_out": str(_broker_dir / "queue"),
         "processed_folder": str(_broker_dir / "processed"),
         "control_folder": str(_broker_dir / "control"),
+        # kombu reads the folder once a second by default: every hop of a request (a
+        # placement's directive, a generate, a resume) would wait for it. A listing of a small
+        # folder costs microseconds.
+        "polling_interval": _float_setting("KVSP_BROKER_POLL_S", 0.02),
         "store_processed": False,
     }
 if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):

@@ -46,6 +46,9 @@ class Session(models.Model):
     resumed_first_token_at = models.DateTimeField(null=True, blank=True)
     resume_sent_at = models.DateTimeField(null=True, blank=True)
     resume_error = models.TextField(blank=True, default="")
+    # The serving instance's account of its time to first token, sent with the first
+    # checkpoint of an epoch (the extension member ``timings_us``).
+    timings_us = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     completed_at = models.DateTimeField(null=True, blank=True)

@@ -25,6 +25,7 @@ from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import SessionCheckpoint
 from kvsp.states import EpochRole, accept_epoch, next_session_epoch
+from kvsp.timeline import check_timings
 from placement import pricing
 from placement.models import Instance, InstanceState
 from placement.selectors import candidates, matched_blocks
@@ -67,6 +68,7 @@ def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> Chec
     holds, which is what lets an instance release tokens of a non-deterministic sampler.
     """
     checkpoint = SessionCheckpoint.from_json(body)
+    timings = _timings(body)
     key = parse_session_id(session_id)
     if checkpoint.session != str(key):
         raise ProtocolError("kvsp-malformed-request", "session in the body differs from the path")
@@ -89,6 +91,7 @@ def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> Chec
                     checkpoint_epoch=checkpoint.epoch,
                     checkpoint_offset=checkpoint.output_offset,
                     checkpoints=1,
+                    timings_us=timings,
                 )
                 created = True
         except IntegrityError:
@@ -113,10 +116,24 @@ def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> Chec
             session.checkpoint_epoch = checkpoint.epoch
             session.checkpoint_offset = max(session.checkpoint_offset, checkpoint.output_offset)
         session.checkpoints += 1
+        if timings is not None:
+            session.timings_us = timings
         if session.state == SessionState.RESUMING:
             session.state = SessionState.RUNNING
         session.save()
     return CheckpointAnswer(session, False)
+
+
+def _timings(body: dict) -> dict | None:
+    """The extension member ``timings_us`` of a checkpoint: the instance's account of its time
+    to first token (``kvsp.timeline``), kept on the session for the dashboard."""
+    value = body.get("timings_us")
+    if value is None:
+        return None
+    try:
+        return check_timings(value)
+    except ValueError as error:
+        raise ProtocolError("kvsp-invalid-record", str(error)) from None
 
 
 @dataclass(frozen=True)

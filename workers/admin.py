@@ -85,6 +85,7 @@ class ServedSessionAdmin(ReadOnlyAdmin):
         "checkpoint_offset",
         "received_at",
         "finished_at",
+        "timings_us",
         "reason",
     )
     list_filter = ("instance", "kind", "state")

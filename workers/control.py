@@ -157,14 +157,16 @@ def scope_key(scope_id: bytes) -> bytes:
     return key
 
 
-def put_checkpoint(record: SessionCheckpoint) -> int:
-    """PUT sessions/{session}/checkpoint (6.8); the output_offset the PC acknowledges."""
+def put_checkpoint(record: SessionCheckpoint, extensions: dict | None = None) -> int:
+    """PUT sessions/{session}/checkpoint (6.8), with extension members beside the record's
+    own (4.4: a receiver ignores those it does not know); the output_offset the PC
+    acknowledges."""
     response = raise_for_problem(
         call(
             client(),
             "PUT",
             f"{_base()}sessions/{record.session}/checkpoint",
-            json=record.to_json(),
+            json={**(extensions or {}), **record.to_json()},
         )
     )
     offset = response.json().get("output_offset")

@@ -290,6 +290,8 @@ class ServedSession(models.Model):
     loaded_blocks = models.PositiveIntegerField(default=0)
     recomputed_tokens = models.PositiveIntegerField(default=0)
     published_blocks = models.PositiveIntegerField(default=0)
+    # Where the time to the first output token went, step by step (``SessionRun``).
+    timings_us = models.JSONField(default=dict, blank=True)
     received_at = models.DateTimeField()
     started_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)

@@ -170,18 +170,44 @@ def _publish_on_commit(block: StoredBlock) -> None:
 
 
 def _withdraw(name: str, ids: BlockIds, reason: str, now: datetime) -> None:
-    """DELETE the record at the IS; when that cannot be delivered now, owe it (6.1)."""
+    """Owe the withdrawal of a block's record (6.1) and deliver it as soon as the eviction is
+    committed ("immediately after evicting"), outside the node's lock: the IS may share the
+    database, and the embedded default's SQLite has one writer at a time, so a DELETE sent
+    while the node holds its lock would wait on the node itself. What cannot be delivered then
+    stays owed, and the keeper retries it."""
+    owed, _ = PendingWithdrawal.objects.update_or_create(
+        instance=name,
+        compat_id=ids[0],
+        scope_id=ids[1],
+        block_key=ids[2],
+        defaults={"reason": reason, "created_at": now},
+    )
+    pk = owed.pk
+    transaction.on_commit(lambda: _deliver_withdrawal(pk), robust=True)
+
+
+def _deliver_withdrawal(pk: int) -> bool:
+    """DELETE an owed record at the IS; True when delivered. A block held again meanwhile
+    has its own current record: the withdrawal is dropped, or that record published again
+    when the DELETE crossed it."""
+    owed = PendingWithdrawal.objects.filter(pk=pk).first()
+    if owed is None:
+        return False
+    ids = (bytes(owed.compat_id), bytes(owed.scope_id), bytes(owed.block_key))
+    if selectors.held_block(owed.instance, *ids) is not None:
+        owed.delete()
+        return False
     try:
         control.withdraw(*ids)
     except (ProtocolError, PeerUnreachable) as exc:
         log.warning("withdrawing %s failed (%s): retried later", ids[2].hex(), exc)
-        PendingWithdrawal.objects.update_or_create(
-            instance=name,
-            compat_id=ids[0],
-            scope_id=ids[1],
-            block_key=ids[2],
-            defaults={"reason": reason, "created_at": now},
-        )
+        PendingWithdrawal.objects.filter(pk=pk).update(attempts=F("attempts") + 1)
+        return False
+    PendingWithdrawal.objects.filter(pk=pk).delete()
+    again = selectors.held_block(owed.instance, *ids)
+    if again is not None:
+        publish_current(again.pk)
+    return True
 
 
 # --- Placement and eviction ----------------------------------------------------------------------
@@ -638,10 +664,19 @@ def do_evict_after_fault(block: StoredBlock, reason: str) -> bool:
     withdrawn first (6.6), then the row goes and the leases no longer name it. The fault is
     confirmed under the node's lock, since a move to another tier looks alike from outside.
     True when the block was dropped."""
+    if _intact(block):
+        return False
+    try:  # "MUST first withdraw" (6.6); outside the lock, as every withdrawal (``_withdraw``)
+        control.withdraw(*block.ids)
+    except (ProtocolError, PeerUnreachable) as exc:
+        log.warning("withdrawing lost %s failed (%s): owed", block, exc)
     with transaction.atomic():
         lock_node(block.instance)
         current = StoredBlock.objects.filter(pk=block.pk).first()
-        if current is None or _intact(current):
+        if current is None:
+            return False
+        if _intact(current):  # it had moved to another tier: its record stands again
+            _publish_on_commit(current)
             return False
         log.error("replica %s is lost: %s", current, reason)
         _evict(current, reason, timezone.now())
@@ -673,6 +708,13 @@ def do_check_tier_store(name: str) -> dict:
     return {"lost": lost, "removed": removed}
 
 
+def do_republish_all(name: str) -> int:
+    """Every record of the node is due now: the keeper publishes them at its next round."""
+    return StoredBlock.objects.filter(instance=name, pending_move__isnull=True).update(
+        refresh_due_at=timezone.now()
+    )
+
+
 def do_reset_device_residency(name: str) -> int:
     """A new worker holds no working copies: records are to say so at their next refresh."""
     return StoredBlock.objects.filter(instance=name, device_layers__gt=0).update(
@@ -694,26 +736,8 @@ def do_refresh_replicas(name: str, *, limit: int = 500) -> int:
 
 
 def do_retry_withdrawals(name: str, *, limit: int = 100) -> int:
-    done = 0
-    for pk in PendingWithdrawal.objects.filter(instance=name).values_list("pk", flat=True)[:limit]:
-        with transaction.atomic():
-            lock_node(name)
-            owed = PendingWithdrawal.objects.filter(pk=pk).first()
-            if owed is None:
-                continue
-            ids = (bytes(owed.compat_id), bytes(owed.scope_id), bytes(owed.block_key))
-            if selectors.held_block(name, *ids) is not None:
-                owed.delete()  # held again: its record is the current one
-                continue
-            try:
-                control.withdraw(*ids)
-            except (ProtocolError, PeerUnreachable):
-                owed.attempts += 1
-                owed.save(update_fields=["attempts"])
-                continue
-            owed.delete()
-            done += 1
-    return done
+    owed = PendingWithdrawal.objects.filter(instance=name).values_list("pk", flat=True)[:limit]
+    return sum(_deliver_withdrawal(pk) for pk in list(owed))
 
 
 def do_sync_device_tier(name: str, device_tier: tiers.DeviceTier) -> int:
@@ -1160,6 +1184,9 @@ def do_set_state(state: object) -> Node:
 
 def do_apply_pc_state(name: str, state: str) -> Node:
     """The PC's decision, from PUT state or from its answer to a status report."""
+    node = ensure_node(name)
+    if node.state == state or state not in NodeState.values:
+        return node  # the common answer changes nothing: no write lock taken
     with transaction.atomic():
         node = lock_node(name)
         if state in NodeState.values and node.state != state:
@@ -1181,6 +1208,9 @@ def do_enter_sleep_if_drained(name: str, in_flight: int) -> Node:
     ``in_flight`` counts the worker's tasks; the sessions the instance admitted and has not
     finished count too, whether their task is running or still on its way.
     """
+    node = ensure_node(name)
+    if node.state != NodeState.DRAINING or in_flight:
+        return node  # nothing to decide: no write lock taken (the reporter runs this each time)
     with transaction.atomic():
         node = lock_node(name)
         if node.state == NodeState.DRAINING and in_flight == 0:
