@@ -26,10 +26,32 @@ def may_publish_for(principal, holder_url: str) -> bool:
     return Instance.objects.filter(name=principal.instance, url=holder_url).exists()
 
 
-def check_may_publish(principal, record) -> None:
+def publishable_holders(principal, holder_urls) -> frozenset[str]:
+    """Which of ``holder_urls`` the principal may publish for (``may_publish_for`` of each, in
+    one query at most), for a batch that names many records of few holders."""
+    wanted = set(holder_urls)
+    allowed = wanted & set(principal.holder_urls)
+    if principal.instance and wanted - allowed:
+        from placement.models import Instance
+
+        allowed |= set(
+            Instance.objects.filter(
+                name=principal.instance, url__in=sorted(wanted - allowed)
+            ).values_list("url", flat=True)
+        )
+    return frozenset(allowed)
+
+
+def check_may_publish(principal, record, publishable: frozenset[str] | None = None) -> None:
+    """Refuse a record the principal may not publish (6.1); ``publishable`` is what
+    ``publishable_holders`` found for a batch, asked of the database otherwise."""
     if record.scope_id_bytes not in principal.scope_ids:
         raise ProtocolError("kvsp-forbidden", "not authorized for the record's scope")
-    if not may_publish_for(principal, record.holder):
+    if publishable is not None:
+        allowed = record.holder in publishable
+    else:
+        allowed = may_publish_for(principal, record.holder)
+    if not allowed:
         raise ProtocolError("kvsp-forbidden", f"not authorized to publish for {record.holder}")
 
 

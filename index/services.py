@@ -22,6 +22,7 @@ from index.scopekeys import seal_scope_key
 from kvsp import blockkeys, compat
 from kvsp.problems import ProtocolError
 from kvsp.records import ReplicaRecord
+from kvspsite.api import OUT_OF_RANGE_DETAIL
 
 _TIER_BITS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
@@ -117,13 +118,8 @@ def _intern_holder(url: str) -> None:
     Holder.objects.get_or_create(url=url)
 
 
-_UPSERT = """
-INSERT INTO index_replica (
-    compat_id, scope_id, block_key, holder_id, codec, size, digest, layer_digests, residency,
-    tier_mask, moqt_namespace, ttl_ms, expires_at, published_at, refreshed_at, refresh_count
-)
-SELECT %s, %s, %s, h.id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0
-FROM index_holder h WHERE h.url = %s
+# A refresh replaces everything but the identity and when it was first published (6.1).
+_REFRESH = """
 ON CONFLICT (block_key, scope_id, compat_id, holder_id) DO UPDATE SET
     codec = excluded.codec, size = excluded.size, digest = excluded.digest,
     layer_digests = excluded.layer_digests, residency = excluded.residency,
@@ -131,8 +127,59 @@ ON CONFLICT (block_key, scope_id, compat_id, holder_id) DO UPDATE SET
     ttl_ms = excluded.ttl_ms, expires_at = excluded.expires_at,
     refreshed_at = excluded.refreshed_at,
     refresh_count = index_replica.refresh_count + 1
-RETURNING refresh_count
 """
+
+_UPSERT = (
+    """
+INSERT INTO index_replica (
+    compat_id, scope_id, block_key, holder_id, codec, size, digest, layer_digests, residency,
+    tier_mask, moqt_namespace, ttl_ms, expires_at, published_at, refreshed_at, refresh_count
+)
+SELECT %s, %s, %s, h.id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0
+FROM index_holder h WHERE h.url = %s
+"""
+    + _REFRESH
+    + "RETURNING refresh_count"
+)
+
+# The same upsert for many rows at once (Postgres): one array per column, unnested in order.
+_UPSERT_MANY = (
+    """
+WITH upserted AS (
+    INSERT INTO index_replica (
+        compat_id, scope_id, block_key, holder_id, codec, size, digest, layer_digests,
+        residency, tier_mask, moqt_namespace, ttl_ms, expires_at, published_at, refreshed_at,
+        refresh_count
+    )
+    SELECT b.compat_id, b.scope_id, b.block_key, h.id, b.codec, b.size, b.digest,
+        b.layer_digests, b.residency, b.tier_mask, b.moqt_namespace, b.ttl_ms, b.expires_at,
+        %s, %s, 0
+    FROM unnest(
+        %s::bytea[], %s::bytea[], %s::bytea[], %s::text[], %s::integer[], %s::bigint[],
+        %s::bytea[], %s::bytea[], %s::text[], %s::smallint[], %s::text[], %s::bigint[],
+        %s::timestamptz[]
+    ) WITH ORDINALITY AS b(
+        compat_id, scope_id, block_key, holder, codec, size, digest, layer_digests, residency,
+        tier_mask, moqt_namespace, ttl_ms, expires_at, position
+    )
+    JOIN index_holder h ON h.url = b.holder
+    ORDER BY b.position
+"""  # noqa: S608 - constant fragments, every value a parameter
+    + _REFRESH
+    + """
+    RETURNING compat_id, scope_id, block_key, holder_id, refresh_count
+)
+SELECT u.compat_id, u.scope_id, u.block_key, h.url, u.refresh_count
+FROM upserted u JOIN index_holder h ON h.id = u.holder_id
+"""
+)
+
+_INTERN_HOLDERS = "INSERT INTO index_holder (url) SELECT unnest(%s::text[]) ON CONFLICT DO NOTHING"
+
+# What the columns hold, beyond what the record rules admit: a longer value is refused as the
+# database would refuse it in a single PUT, before it could fail a whole batch's statement.
+_HOLDER_MAX_LENGTH = Holder._meta.get_field("url").max_length
+_NAMESPACE_MAX_LENGTH = Replica._meta.get_field("moqt_namespace").max_length
 
 
 @dataclass(frozen=True)
@@ -145,21 +192,17 @@ class Published:
         return {**self.record.to_json(), "ttl_ms": self.ttl_ms}
 
 
-def do_publish_replica(
-    principal, record: ReplicaRecord, *, now: datetime | None = None
-) -> Published:
-    """Publish or refresh one replica (spec 6.1): one atomic upsert, so concurrent publishes of
-    the same replica neither duplicate it nor lose an update. The holder's interned id is looked
-    up inside the same statement; only a holder's first record takes a second one.
-    """
-    authz.check_may_publish(principal, record)
-    now = now or timezone.now()
-    ttl_ms = min(record.ttl_ms, settings.KVSP_MAX_TTL_MS)
-    ops = connection.ops
-    params = [
+def _granted_ttl_ms(record: ReplicaRecord) -> int:
+    return min(record.ttl_ms, settings.KVSP_MAX_TTL_MS)
+
+
+def _replica_row(record: ReplicaRecord, ttl_ms: int, now: datetime) -> tuple:
+    """A record's column values, in the order of ``_UPSERT_MANY``'s arrays."""
+    return (
         record.compat_id_bytes,
         record.scope_id_bytes,
         record.block_key_bytes,
+        record.holder,
         record.codec,
         record.size,
         record.digest_bytes,
@@ -168,20 +211,165 @@ def do_publish_replica(
         _tier_mask(record),
         record.moqt_namespace or "",
         ttl_ms,
-        ops.adapt_datetimefield_value(now + timedelta(milliseconds=ttl_ms)),
-        ops.adapt_datetimefield_value(now),
-        ops.adapt_datetimefield_value(now),
-        record.holder,
-    ]
-    with connection.cursor() as cursor:
+        connection.ops.adapt_datetimefield_value(now + timedelta(milliseconds=ttl_ms)),
+    )
+
+
+def _row_identity(row: tuple) -> tuple:
+    """What names the replica of a row: (compat_id, scope_id, block_key, holder)."""
+    return row[:4]
+
+
+def _record_identity(record: ReplicaRecord) -> tuple:
+    return (record.compat_id_bytes, record.scope_id_bytes, record.block_key_bytes, record.holder)
+
+
+def _upsert_one(cursor, row: tuple, now: datetime) -> int:
+    """Upsert one replica row; its refresh count (0: inserted). The holder's interned id is
+    looked up inside the same statement; only a holder's first record takes a second one."""
+    stamp = connection.ops.adapt_datetimefield_value(now)
+    params = [*row[:3], *row[4:], stamp, stamp, row[3]]
+    cursor.execute(_UPSERT, params)
+    found = cursor.fetchone()
+    if found is None:  # the holder's first record: intern its URL, then publish
+        _intern_holder(row[3])
         cursor.execute(_UPSERT, params)
-        row = cursor.fetchone()
-        if row is None:  # the holder's first record: intern its URL, then publish
-            _intern_holder(record.holder)
-            cursor.execute(_UPSERT, params)
-            row = cursor.fetchone()
-    (refresh_count,) = row
+        found = cursor.fetchone()
+    return found[0]
+
+
+def do_publish_replica(
+    principal, record: ReplicaRecord, *, now: datetime | None = None
+) -> Published:
+    """Publish or refresh one replica (spec 6.1): one atomic upsert, so concurrent publishes of
+    the same replica neither duplicate it nor lose an update.
+    """
+    authz.check_may_publish(principal, record)
+    now = now or timezone.now()
+    ttl_ms = _granted_ttl_ms(record)
+    with connection.cursor() as cursor:
+        refresh_count = _upsert_one(cursor, _replica_row(record, ttl_ms, now), now)
     return Published(record, ttl_ms=ttl_ms, created=refresh_count == 0)
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What became of one record of a batch publication (DESIGN.md section 3, ``POST CP
+    replicas``): the status and problem its single PUT would have answered."""
+
+    block_key: str | None
+    holder: str | None
+    status: int
+    problem: dict | None = None
+    ttl_ms: int | None = None  # as granted, for a record published
+
+    def to_json(self) -> dict:
+        out = {
+            "block_key": self.block_key,
+            "holder": self.holder,
+            "status": self.status,
+            "problem": self.problem,
+        }
+        if self.ttl_ms is not None:
+            out["ttl_ms"] = self.ttl_ms
+        return out
+
+
+def _echoed(item: object, member: str) -> str | None:
+    value = item.get(member) if isinstance(item, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _judge(principal, item: object, publishable: frozenset[str]) -> ReplicaRecord:
+    """The record ``item`` is, if its single PUT would store it; the PUT's refusal otherwise."""
+    if not isinstance(item, dict):
+        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
+    record = ReplicaRecord.from_json(item)
+    authz.check_may_publish(principal, record, publishable)
+    too_long = len(record.holder) > _HOLDER_MAX_LENGTH or (
+        len(record.moqt_namespace or "") > _NAMESPACE_MAX_LENGTH
+    )
+    if too_long:
+        raise ProtocolError("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
+    return record
+
+
+def _upsert_many(rows: list[tuple], now: datetime) -> dict[tuple, int]:
+    """Upsert replica rows of distinct identities; each identity's refresh count (0: inserted).
+    On Postgres a few statements whatever the number of rows; elsewhere (the embedded default's
+    SQLite) one statement per row."""
+    counts: dict[tuple, int] = {}
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor != "postgresql":
+            for row in rows:
+                counts[_row_identity(row)] = _upsert_one(cursor, row, now)
+            return counts
+
+        def upsert(batch: list[tuple]) -> None:
+            cursor.execute(_UPSERT_MANY, [now, now, *map(list, zip(*batch, strict=True))])
+            for compat_id, scope_id, block_key, holder, refresh_count in cursor.fetchall():
+                counts[(bytes(compat_id), bytes(scope_id), bytes(block_key), holder)] = (
+                    refresh_count
+                )
+
+        upsert(rows)
+        missing = [row for row in rows if _row_identity(row) not in counts]
+        if missing:  # holders' first records: intern their URLs, then publish those
+            cursor.execute(_INTERN_HOLDERS, [sorted({row[3] for row in missing})])
+            upsert(missing)
+    return counts
+
+
+def do_publish_replicas(principal, items: list, *, now: datetime | None = None) -> list:
+    """Publish or refresh many replicas (``POST CP replicas``): each item is judged as its
+    single PUT would judge it, and the accepted ones are written together. The outcomes come in
+    the order of ``items``; one item's refusal changes nothing about the others.
+
+    A replica named twice ends as its last record says, as it would after the PUTs one by one:
+    its first accepted occurrence is the one that may have created it (201), later ones
+    refresh it (200).
+    """
+    now = now or timezone.now()
+    holders = {_echoed(item, "holder") for item in items} - {None}
+    publishable = authz.publishable_holders(principal, holders)
+    judged: list[ReplicaRecord | ProtocolError] = []
+    for item in items:
+        try:
+            judged.append(_judge(principal, item, publishable))
+        except ProtocolError as refusal:
+            judged.append(refusal)
+    rows: dict[tuple, tuple] = {}
+    for record in judged:
+        if isinstance(record, ReplicaRecord):
+            row = _replica_row(record, _granted_ttl_ms(record), now)
+            rows[_row_identity(row)] = row  # the last record of a replica is the one it keeps
+    # In one order, so that batches publishing the same replicas at once take their row locks
+    # alike rather than deadlock.
+    counts = _upsert_many(sorted(rows.values(), key=_row_identity), now) if rows else {}
+    outcomes, seen = [], set()
+    for item, record in zip(items, judged, strict=True):
+        if isinstance(record, ProtocolError):
+            outcomes.append(
+                BatchOutcome(
+                    _echoed(item, "block_key"),
+                    _echoed(item, "holder"),
+                    record.status,
+                    record.document(),
+                )
+            )
+            continue
+        identity = record.identity
+        created = identity not in seen and counts[_record_identity(record)] == 0
+        seen.add(identity)
+        outcomes.append(
+            BatchOutcome(
+                record.block_key,
+                record.holder,
+                201 if created else 200,
+                ttl_ms=_granted_ttl_ms(record),
+            )
+        )
+    return outcomes
 
 
 def do_withdraw_replica(

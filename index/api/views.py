@@ -56,6 +56,25 @@ class ReplicaView(APIView):
         return Response({"block_key": block_key.hex(), "replicas": replicas})
 
 
+class ReplicaBatchView(APIView):
+    """Batch publication (DESIGN.md section 3, an extension of 6.1): many Replica Records in
+    one request, each judged as its single PUT would be, every outcome answered in order."""
+
+    def post(self, request):
+        records = _require_object(request.data).get("records")
+        if not isinstance(records, list):
+            raise ProtocolError(
+                "kvsp-malformed-request", 'the body must be {"records": [Replica Record, ...]}'
+            )
+        if len(records) > settings.KVSP_MAX_BATCH_RECORDS:
+            raise ProtocolError(
+                "kvsp-payload-too-large",
+                f"at most {settings.KVSP_MAX_BATCH_RECORDS} records per batch",
+            )
+        outcomes = services.do_publish_replicas(request.user, records)
+        return Response({"results": [outcome.to_json() for outcome in outcomes]})
+
+
 class LookupView(APIView):
     """Prefix lookup (spec 6.2), with fetch and recompute estimates per target (6.4)."""
 
