@@ -142,7 +142,8 @@ FROM index_holder h WHERE h.url = %s
     + "RETURNING refresh_count"
 )
 
-# The same upsert for many rows at once (Postgres): one array per column, unnested in order.
+# The same upsert for many rows at once (Postgres): one array per column, unnested in order,
+# sent in binary (%b): a batch's digests travel as octets rather than as hex to be parsed.
 _UPSERT_MANY = (
     """
 WITH upserted AS (
@@ -155,9 +156,9 @@ WITH upserted AS (
         b.layer_digests, b.residency, b.tier_mask, b.moqt_namespace, b.ttl_ms, b.expires_at,
         %s, %s, 0
     FROM unnest(
-        %s::bytea[], %s::bytea[], %s::bytea[], %s::text[], %s::integer[], %s::bigint[],
-        %s::bytea[], %s::bytea[], %s::text[], %s::smallint[], %s::text[], %s::bigint[],
-        %s::timestamptz[]
+        %b::bytea[], %b::bytea[], %b::bytea[], %b::text[], %b::integer[], %b::bigint[],
+        %b::bytea[], %b::bytea[], %b::text[], %b::smallint[], %b::text[], %b::bigint[],
+        %b::timestamptz[]
     ) WITH ORDINALITY AS b(
         compat_id, scope_id, block_key, holder, codec, size, digest, layer_digests, residency,
         tier_mask, moqt_namespace, ttl_ms, expires_at, position
@@ -192,8 +193,8 @@ class Published:
         return {**self.record.to_json(), "ttl_ms": self.ttl_ms}
 
 
-def _granted_ttl_ms(record: ReplicaRecord) -> int:
-    return min(record.ttl_ms, settings.KVSP_MAX_TTL_MS)
+def _granted_ttl_ms(record: ReplicaRecord, max_ttl_ms: int | None = None) -> int:
+    return min(record.ttl_ms, settings.KVSP_MAX_TTL_MS if max_ttl_ms is None else max_ttl_ms)
 
 
 def _replica_row(record: ReplicaRecord, ttl_ms: int, now: datetime) -> tuple:
@@ -206,7 +207,7 @@ def _replica_row(record: ReplicaRecord, ttl_ms: int, now: datetime) -> tuple:
         record.codec,
         record.size,
         record.digest_bytes,
-        b"".join(bytes.fromhex(d) for d in record.layer_digests or ()),
+        bytes.fromhex("".join(record.layer_digests or ())),
         orjson.dumps([entry.to_json() for entry in record.residency]).decode(),
         _tier_mask(record),
         record.moqt_namespace or "",
@@ -338,10 +339,11 @@ def do_publish_replicas(principal, items: list, *, now: datetime | None = None) 
             judged.append(_judge(principal, item, publishable))
         except ProtocolError as refusal:
             judged.append(refusal)
+    max_ttl_ms = settings.KVSP_MAX_TTL_MS
     rows: dict[tuple, tuple] = {}
     for record in judged:
         if isinstance(record, ReplicaRecord):
-            row = _replica_row(record, _granted_ttl_ms(record), now)
+            row = _replica_row(record, _granted_ttl_ms(record, max_ttl_ms), now)
             rows[_row_identity(row)] = row  # the last record of a replica is the one it keeps
     # In one order, so that batches publishing the same replicas at once take their row locks
     # alike rather than deadlock.
@@ -366,7 +368,7 @@ def do_publish_replicas(principal, items: list, *, now: datetime | None = None) 
                 record.block_key,
                 record.holder,
                 201 if created else 200,
-                ttl_ms=_granted_ttl_ms(record),
+                ttl_ms=_granted_ttl_ms(record, max_ttl_ms),
             )
         )
     return outcomes
