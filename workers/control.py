@@ -1,20 +1,25 @@
 """What a node asks of the control plane, over the same HTTP API any holder would use (DESIGN.md
-section 3), with the node's token: publish and withdraw Replica Records (6.1), read the records
-of blocks it is about to fetch (6.2), read Compatibility Descriptors (4.1), report its status
-(6.3), read scope keys (4.2), and publish the checkpoints and output tokens of the sessions it
-serves (6.8).
+section 3), with the node's token: publish and withdraw Replica Records (6.1; many at once
+through the batch form where the control plane has it), read the records of blocks it is about
+to fetch (6.2), read Compatibility Descriptors (4.1), report its status (6.3), read scope keys
+(4.2), and publish the checkpoints and output tokens of the sessions it serves (6.8).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
+import orjson
 from django.conf import settings
 
 from kvsp.blockkeys import scope_id as scope_id_of
-from kvsp.problems import ProtocolError
+from kvsp.problems import ProtocolError, problem_name
 from kvsp.records import InstanceStatusRecord, ReplicaRecord, SessionCheckpoint
 from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 
@@ -50,6 +55,127 @@ def publish(record: ReplicaRecord) -> int:
     path = _replica_path(record.compat_id_bytes, record.scope_id_bytes, record.block_key_bytes)
     response = raise_for_problem(call(client(), "PUT", path, json=record.to_json()))
     return int(response.json().get("ttl_ms", record.ttl_ms))
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """What the IS made of one record: the TTL it granted, or why it was not published."""
+
+    record: ReplicaRecord
+    ttl_ms: int | None = None
+    error: ProtocolError | PeerUnreachable | None = None
+
+    @property
+    def published(self) -> bool:
+        return self.error is None
+
+
+# Records published at the same time where the control plane takes them one PUT each.
+PUBLISH_PARALLEL = 8
+# What a control plane that speaks only the spec answers to POST replicas: no such route.
+_NO_BATCH_ROUTE = (404, 405)
+# How long such a control plane is sent single PUTs before the batch route is tried again (it
+# may have been upgraded meanwhile).
+_NO_BATCH_ROUTE_RETRY_S = 300.0
+_no_batch_route_until: dict[str, float] = {}
+# Room for {"records": [...]} around the records themselves.
+_BATCH_ENVELOPE_OCTETS = 64
+
+
+def publish_replicas(records: list[ReplicaRecord]) -> list[PublishOutcome]:
+    """Publish many records (6.1) in as few requests as the control plane takes: ``POST CP
+    replicas`` (DESIGN.md section 3) in chunks of at most KVSP_MAX_BATCH_RECORDS records and
+    KVSP_MAX_BODY_OCTETS octets, or single PUTs where the control plane has no batch route.
+    One outcome per record, in order; a record the IS refused, or could not be asked about,
+    is an outcome with its error rather than an exception."""
+    if not records:
+        return []
+    try:
+        url = f"{_base()}replicas"
+    except PeerUnreachable as unreachable:
+        return [PublishOutcome(record, error=unreachable) for record in records]
+    if len(records) == 1 or time.monotonic() < _no_batch_route_until.get(url, 0.0):
+        return _publish_each(records)  # the spec's own request for a single record
+    encoded = [orjson.dumps(record.to_json()) for record in records]
+    outcomes: list[PublishOutcome] = []
+    start = 0
+    for end in _chunk_ends(encoded):
+        outcomes += _publish_chunk(url, records[start:end], encoded[start:end])
+        start = end
+    return outcomes
+
+
+def _chunk_ends(encoded: list[bytes]) -> Iterator[int]:
+    """Where each chunk of ``encoded`` records ends: as many as a batch may carry."""
+    most_records = max(settings.KVSP_MAX_BATCH_RECORDS, 1)
+    most_octets = settings.DATA_UPLOAD_MAX_MEMORY_SIZE - _BATCH_ENVELOPE_OCTETS
+    count = octets = 0
+    for index, body in enumerate(encoded):
+        if count and (count == most_records or octets + len(body) + 1 > most_octets):
+            yield index
+            count = octets = 0
+        count += 1
+        octets += len(body) + 1
+    yield len(encoded)
+
+
+def _publish_chunk(url: str, records: list, encoded: list[bytes]) -> list[PublishOutcome]:
+    body = b'{"records":[' + b",".join(encoded) + b"]}"
+    try:
+        response = call(
+            client(),
+            "POST",
+            url,
+            content=body,
+            headers={"Content-Type": "application/kvsp+json"},
+        )
+        if response.status_code in _NO_BATCH_ROUTE:
+            _no_batch_route_until[url] = time.monotonic() + _NO_BATCH_ROUTE_RETRY_S
+            return _publish_each(records)
+        if response.status_code == 413 and len(records) > 1:  # a smaller body limit there
+            half = len(records) // 2
+            return _publish_chunk(url, records[:half], encoded[:half]) + _publish_chunk(
+                url, records[half:], encoded[half:]
+            )
+        results = raise_for_problem(response).json().get("results")
+        if not isinstance(results, list) or len(results) != len(records):
+            raise ProtocolError("kvsp-upstream-error", f"{url}: the answer lists other results")
+    except ValueError:
+        failure = ProtocolError("kvsp-upstream-error", f"{url}: the answer is not JSON")
+        return [PublishOutcome(record, error=failure) for record in records]
+    except (ProtocolError, PeerUnreachable) as failure:
+        return [PublishOutcome(record, error=failure) for record in records]
+    return [_outcome(url, record, result) for record, result in zip(records, results, strict=True)]
+
+
+def _outcome(url: str, record: ReplicaRecord, result: object) -> PublishOutcome:
+    """One record's outcome from its entry in a batch answer."""
+    result = result if isinstance(result, dict) else {}
+    status = result.get("status")
+    if status in (200, 201):
+        granted = result.get("ttl_ms")
+        return PublishOutcome(record, ttl_ms=granted if type(granted) is int else record.ttl_ms)
+    problem = result.get("problem") if isinstance(result.get("problem"), dict) else {}
+    detail = f"{url}: {record.block_key}: {problem.get('detail', 'refused')}"
+    if type(status) is int and status >= 500:
+        return PublishOutcome(record, error=PeerUnreachable(detail))
+    name = problem_name(str(problem.get("type", ""))) or "kvsp-upstream-error"
+    status = status if type(status) is int and 400 <= status < 500 else None
+    return PublishOutcome(record, error=ProtocolError(name, detail, status=status))
+
+
+def _publish_one(record: ReplicaRecord) -> PublishOutcome:
+    try:
+        return PublishOutcome(record, ttl_ms=publish(record))
+    except (ProtocolError, PeerUnreachable) as failure:
+        return PublishOutcome(record, error=failure)
+
+
+def _publish_each(records: list[ReplicaRecord]) -> list[PublishOutcome]:
+    if len(records) == 1:
+        return [_publish_one(records[0])]
+    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(records))) as pool:
+        return list(pool.map(_publish_one, records))
 
 
 def withdraw(compat_id: bytes, scope_id: bytes, block_key: bytes) -> None:
@@ -118,8 +244,6 @@ def geometry(compat_id: bytes):
     """The geometry of ``compat_id`` from its registered descriptor (cached: descriptors never
     change), or None when none is registered or the control plane cannot say (asked again after
     a while)."""
-    import time
-
     from workers.tiers import Geometry
 
     with _geometries_lock:

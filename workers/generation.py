@@ -573,7 +573,7 @@ def store_blocks(blocks: list[tuple], token_count: int) -> int:
     and copy every one to the session holders, PUBLISH_PARALLEL at a time. Returns how many
     were newly stored."""
     stored = services.do_store_exported(blocks, token_count)
-    jobs = [partial(services.publish_current, pk) for pk in stored]
+    jobs = [partial(services.publish_all, stored)]
     jobs += [partial(copy_to_session_holders, ids, encoded) for ids, encoded in blocks]
     _run_all(jobs)
     return len(stored)

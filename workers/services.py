@@ -37,13 +37,12 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -74,8 +73,6 @@ log = logging.getLogger(__name__)
 
 # After a failed publish, the next attempt.
 PUBLISH_RETRY = timedelta(seconds=5)
-# Records published at the same time by ``publish_all``.
-PUBLISH_PARALLEL = 8
 # A file in a tier directory with no row younger than this may belong to a placement still in
 # its transaction.
 ORPHAN_GRACE_S = 300
@@ -104,63 +101,72 @@ def lock_node(name: str) -> Node:
 # --- Replica Records ---------------------------------------------------------------------------
 
 
-def _publish(block: StoredBlock) -> bool:
-    """PUT the block's record now; on failure, try again soon. True when published."""
-    now = timezone.now()
-    rows = StoredBlock.objects.filter(pk=block.pk)
-    try:
-        ttl_ms = control.publish(selectors.replica_record(block))
-    except (ProtocolError, PeerUnreachable) as exc:
-        log.warning("publishing %s failed: %s", block, exc)
-        rows.update(refresh_due_at=now + PUBLISH_RETRY)
-        return False
-    rows.update(
-        record_expires_at=now + timedelta(milliseconds=ttl_ms),
-        refresh_due_at=now + timedelta(milliseconds=ttl_ms / 2),
-    )
-    return True
+def _note_published(blocks: list[StoredBlock], outcomes: list, asked_at: datetime) -> None:
+    """Record when each block's record expires at the IS and is next due; one that was not
+    published is tried again soon."""
+    granted: dict[int, list[int]] = {}
+    failed = []
+    for block, outcome in zip(blocks, outcomes, strict=True):
+        if outcome.published:
+            granted.setdefault(outcome.ttl_ms, []).append(block.pk)
+        else:
+            failed.append((block, outcome.error))
+    if failed:
+        first, error = failed[0]
+        log.warning("publishing %d records failed (%s: %s)", len(failed), first, error)
+        StoredBlock.objects.filter(pk__in=[block.pk for block, _ in failed]).update(
+            refresh_due_at=asked_at + PUBLISH_RETRY
+        )
+    for ttl_ms, pks in granted.items():
+        StoredBlock.objects.filter(pk__in=pks).update(
+            record_expires_at=asked_at + timedelta(milliseconds=ttl_ms),
+            refresh_due_at=asked_at + timedelta(milliseconds=ttl_ms / 2),
+        )
 
 
 def _residency_key(block: StoredBlock) -> tuple:
     return (block.tier, block.device_layers)
 
 
-def publish_current(pk: int) -> bool:
-    """Publish a block's record as it stands, outside the node's lock, and make sure the IS is
-    not left with a record the node no longer stands by: if the block was evicted while the
-    record travelled, it is withdrawn again; if it moved, the new residency is published.
-    True when the IS has the current record."""
-    for _ in range(3):
-        block = StoredBlock.objects.filter(pk=pk).first()
-        if block is None or block.pending_move_id is not None:
-            return False  # gone, or not a replica yet: its move's commit publishes it
-        published = _publish(block)
-        with transaction.atomic():
-            lock_node(block.instance)
-            current = StoredBlock.objects.filter(pk=pk).first()
-            if current is None:
-                if published:
-                    _withdraw(block.instance, block.ids, "evicted meanwhile", timezone.now())
-                return False
-            if _residency_key(current) == _residency_key(block):
-                return published
-    return False
-
-
 def publish_all(pks: list[int]) -> int:
-    """Publish the records of many blocks, PUBLISH_PARALLEL at a time (see
-    ``publish_current``); how many the IS has now."""
+    """Publish the records of blocks as they stand, outside the node's lock, in as few requests
+    as the IS takes (``control.publish_replicas``), and make sure the IS is not left with a
+    record the node no longer stands by: a block evicted while its record travelled is
+    withdrawn again; one that moved is published again with its new residency. Blocks gone,
+    or not replicas yet (their move's commit publishes them), are skipped. Returns how many
+    of the blocks the IS has the current record of."""
+    current = 0
+    pending = list(pks)
+    for _ in range(3):
+        blocks = list(StoredBlock.objects.filter(pk__in=pending, pending_move__isnull=True))
+        if not blocks:
+            break
+        asked_at = timezone.now()
+        outcomes = control.publish_replicas([selectors.replica_record(b) for b in blocks])
+        _note_published(blocks, outcomes, asked_at)
+        published = {b.pk for b, outcome in zip(blocks, outcomes, strict=True) if outcome.published}
+        pending = []
+        with transaction.atomic():
+            for name in sorted({block.instance for block in blocks}):
+                lock_node(name)
+            now = StoredBlock.objects.in_bulk([block.pk for block in blocks])
+            for block in blocks:
+                row = now.get(block.pk)
+                if row is None:
+                    if block.pk in published:
+                        _withdraw(block.instance, block.ids, "evicted meanwhile", timezone.now())
+                elif _residency_key(row) != _residency_key(block):
+                    pending.append(block.pk)
+                elif block.pk in published:
+                    current += 1
+        if not pending:
+            break
+    return current
 
-    def publish(pk: int) -> bool:
-        try:
-            return publish_current(pk)
-        finally:
-            connections.close_all()
 
-    if len(pks) <= 1:
-        return sum(publish_current(pk) for pk in pks)
-    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(pks))) as pool:
-        return sum(pool.map(publish, pks))
+def publish_current(pk: int) -> bool:
+    """``publish_all`` of one block: True when the IS has its current record."""
+    return publish_all([pk]) == 1
 
 
 def _publish_on_commit(block: StoredBlock) -> None:
@@ -690,7 +696,7 @@ def do_refresh_replicas(name: str, *, limit: int = 500) -> int:
         .order_by("refresh_due_at")
         .values_list("pk", flat=True)[:limit]
     )
-    return sum(publish_current(pk) for pk in due)
+    return publish_all(due)
 
 
 def do_retry_withdrawals(name: str, *, limit: int = 100) -> int:
