@@ -34,3 +34,20 @@ def test_node_schema_states_bodies_headers_and_problems():
         operation = schema["paths"][path][method]
         assert "application/kvsp+json" in operation["requestBody"]["content"], path
         assert "application/problem+json" in operation["responses"]["422"]["content"], path
+
+
+def test_control_plane_schema_states_batch_publication():
+    """``POST replicas``: the envelope is the request's schema; each record is judged on its
+    own, so the answer lists an outcome, with its problem details, per record."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schema = SchemaGenerator(urlconf="kvspsite.urls_control").get_schema(request=None, public=True)
+    operation = schema["paths"]["/kvsp/replicas"]["post"]
+    body = operation["requestBody"]["content"]["application/kvsp+json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ReplicaBatch"}
+    answer = schema["components"]["schemas"]["ReplicaBatchAnswer"]
+    result = answer["properties"]["results"]["items"]
+    assert result["required"] == ["block_key", "holder", "status", "problem"]
+    assert result["properties"]["problem"]["nullable"]
+    for status in ("400", "413"):
+        assert "application/problem+json" in operation["responses"][status]["content"]
