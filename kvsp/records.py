@@ -231,10 +231,9 @@ def _check_hex_list(values: object, path: Path, octets: int, *, non_empty: bool 
     try:
         joined = "".join(values)
         same_width = not values or set(map(len, values)) == {2 * octets}
-        if same_width and len(bytes.fromhex(joined)) * 2 == len(joined):
-            # fromhex accepts upper case too; hex digits are lower case when no letter is upper.
-            if joined.islower() or joined.isdigit() or not joined:
-                return
+        # fromhex also takes upper case and spaces; what hex() gives back is neither.
+        if same_width and bytes.fromhex(joined).hex() == joined:
+            return
     except (TypeError, ValueError):
         pass
     for index, value in enumerate(values):
