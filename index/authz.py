@@ -42,23 +42,26 @@ def publishable_holders(principal, holder_urls) -> frozenset[str]:
     return frozenset(allowed)
 
 
+def _may_publish_for(principal, holder_url: str, publishable: frozenset[str] | None) -> bool:
+    # ``publishable``: what ``publishable_holders`` found for a batch; else the database says.
+    if publishable is not None:
+        return holder_url in publishable
+    return may_publish_for(principal, holder_url)
+
+
 def check_may_publish(principal, record, publishable: frozenset[str] | None = None) -> None:
-    """Refuse a record the principal may not publish (6.1); ``publishable`` is what
-    ``publishable_holders`` found for a batch, asked of the database otherwise."""
     if record.scope_id_bytes not in principal.scope_ids:
         raise ProtocolError("kvsp-forbidden", "not authorized for the record's scope")
-    if publishable is not None:
-        allowed = record.holder in publishable
-    else:
-        allowed = may_publish_for(principal, record.holder)
-    if not allowed:
+    if not _may_publish_for(principal, record.holder, publishable):
         raise ProtocolError("kvsp-forbidden", f"not authorized to publish for {record.holder}")
 
 
-def check_may_withdraw(principal, scope_id: bytes, holder_url: str) -> None:
+def check_may_withdraw(
+    principal, scope_id: bytes, holder_url: str, publishable: frozenset[str] | None = None
+) -> None:
     if bytes(scope_id) not in principal.scope_ids:
         raise ProtocolError("kvsp-not-found", "no such replica")
-    if not may_publish_for(principal, holder_url):
+    if not _may_publish_for(principal, holder_url, publishable):
         raise ProtocolError("kvsp-forbidden", f"not authorized to withdraw for {holder_url}")
 
 

@@ -19,7 +19,7 @@ from index import authz
 from index.auth import new_token
 from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
 from index.scopekeys import seal_scope_key
-from kvsp import blockkeys, compat
+from kvsp import blockkeys, compat, hexids
 from kvsp.problems import ProtocolError
 from kvsp.records import ReplicaRecord
 from kvspsite.api import OUT_OF_RANGE_DETAIL
@@ -255,8 +255,9 @@ def do_publish_replica(
 
 @dataclass(frozen=True)
 class BatchOutcome:
-    """What became of one record of a batch publication (DESIGN.md section 3, ``POST CP
-    replicas``): the status and problem its single PUT would have answered."""
+    """What became of one item of a batch publication or withdrawal (``POST CP replicas``,
+    ``POST CP replicas/withdrawals``): the status and problem its single PUT or DELETE would
+    have answered."""
 
     block_key: str | None
     holder: str | None
@@ -279,6 +280,13 @@ class BatchOutcome:
 def _echoed(item: object, member: str) -> str | None:
     value = item.get(member) if isinstance(item, dict) else None
     return value if isinstance(value, str) else None
+
+
+def _publishable(principal, items: list) -> frozenset[str]:
+    """The holders the items name that the principal may act for, found at once."""
+    return authz.publishable_holders(
+        principal, {_echoed(item, "holder") for item in items} - {None}
+    )
 
 
 def _judge(principal, item: object, publishable: frozenset[str]) -> ReplicaRecord:
@@ -321,7 +329,7 @@ def _upsert_many(rows: list[tuple], now: datetime) -> dict[tuple, int]:
     return counts
 
 
-def do_publish_replicas(principal, items: list, *, now: datetime | None = None) -> list:
+def do_publish_batch(principal, items: list, *, now: datetime | None = None) -> list:
     """Publish or refresh many replicas (``POST CP replicas``): each item is judged as its
     single PUT would judge it, and the accepted ones are written together. The outcomes come in
     the order of ``items``; one item's refusal changes nothing about the others.
@@ -331,8 +339,7 @@ def do_publish_replicas(principal, items: list, *, now: datetime | None = None) 
     refresh it (200).
     """
     now = now or timezone.now()
-    holders = {_echoed(item, "holder") for item in items} - {None}
-    publishable = authz.publishable_holders(principal, holders)
+    publishable = _publishable(principal, items)
     judged: list[ReplicaRecord | ProtocolError] = []
     for item in items:
         try:
@@ -369,6 +376,88 @@ def do_publish_replicas(principal, items: list, *, now: datetime | None = None) 
                 record.holder,
                 201 if created else 200,
                 ttl_ms=_granted_ttl_ms(record, max_ttl_ms),
+            )
+        )
+    return outcomes
+
+
+_WITHDRAW_MANY = """
+DELETE FROM index_replica r
+USING unnest(%b::bytea[], %b::bytea[], %b::bytea[], %b::text[])
+    AS w(compat_id, scope_id, block_key, holder), index_holder h
+WHERE h.url = w.holder AND r.holder_id = h.id AND r.compat_id = w.compat_id
+    AND r.scope_id = w.scope_id AND r.block_key = w.block_key
+RETURNING r.compat_id, r.scope_id, r.block_key, h.url
+"""
+
+
+def _withdrawal_identity(item: object) -> tuple[bytes, bytes, bytes, str]:
+    """The replica an item of a batch withdrawal names: (compat_id, scope_id, block_key,
+    holder), the members that name it in a Replica Record."""
+    if not isinstance(item, dict):
+        raise ProtocolError("kvsp-malformed-request", "a withdrawal must be a JSON object")
+    ids = []
+    for member, octets in (("compat_id", 32), ("scope_id", 16), ("block_key", 32)):
+        value = item.get(member)
+        if not hexids.is_hex(value, octets):
+            raise ProtocolError(
+                "kvsp-malformed-request", f"{member} must be hex{octets}: {2 * octets} hex digits"
+            )
+        ids.append(bytes.fromhex(value))
+    holder = item.get("holder")
+    if not isinstance(holder, str) or not holder:
+        raise ProtocolError("kvsp-malformed-request", "holder is required")
+    return (*ids, holder)
+
+
+def _delete_replicas(identities: list[tuple]) -> set[tuple]:
+    """Delete the replicas of distinct identities; those that were there. One statement on
+    Postgres, one per replica elsewhere."""
+    if connection.vendor != "postgresql":
+        deleted = set()
+        for compat_id, scope_id, block_key, holder in identities:
+            found, _ = Replica.objects.filter(
+                compat_id=compat_id, scope_id=scope_id, block_key=block_key, holder__url=holder
+            ).delete()
+            if found:
+                deleted.add((compat_id, scope_id, block_key, holder))
+        return deleted
+    with connection.cursor() as cursor:
+        cursor.execute(_WITHDRAW_MANY, [list(column) for column in zip(*identities, strict=True)])
+        return {(bytes(c), bytes(s), bytes(k), h) for c, s, k, h in cursor.fetchall()}
+
+
+def do_withdraw_batch(principal, items: list) -> list:
+    """Withdraw many replicas (``POST CP replicas/withdrawals``): each item is judged as its
+    single DELETE would judge it (a scope not granted is a replica that does not exist, a holder
+    the principal does not act for is forbidden, an unknown replica is 404) and the accepted ones
+    are deleted together. The outcomes come in the order of ``items``; a replica named twice is
+    withdrawn by its first item, and the later ones find it gone."""
+    publishable = _publishable(principal, items)
+    judged: list[tuple | ProtocolError] = []
+    for item in items:
+        try:
+            identity = _withdrawal_identity(item)
+            authz.check_may_withdraw(principal, identity[1], identity[3], publishable)
+            judged.append(identity)
+        except ProtocolError as refusal:
+            judged.append(refusal)
+    wanted = sorted({identity for identity in judged if isinstance(identity, tuple)})
+    deleted = _delete_replicas(wanted) if wanted else set()
+    missing = ProtocolError("kvsp-not-found", "no such replica")
+    outcomes = []
+    for item, identity in zip(items, judged, strict=True):
+        if isinstance(identity, tuple) and identity in deleted:
+            deleted.discard(identity)
+            outcomes.append(BatchOutcome(identity[2].hex(), identity[3], 204))
+            continue
+        refusal = identity if isinstance(identity, ProtocolError) else missing
+        outcomes.append(
+            BatchOutcome(
+                _echoed(item, "block_key"),
+                _echoed(item, "holder"),
+                refusal.status,
+                refusal.document(),
             )
         )
     return outcomes

@@ -154,17 +154,21 @@ SCHEMAS = {
         {"block_key": _hex(32), "replicas": {"type": "array", "items": _ref("ReplicaRecord")}},
         ["block_key", "replicas"],
     ),
-    # Each item is judged on its own, as its single PUT would judge it, and a refused item is
-    # answered in its result: so any value is a valid item here, and only the envelope is
-    # refused whole.
+    # Each item is judged on its own, as its single PUT or DELETE would judge it, and a refused
+    # item is answered in its result: so any value is a valid item here, and only the envelope
+    # is refused whole.
     "ReplicaBatch": _object(
+        {"records": {"type": "array", "items": {"description": "a ReplicaRecord"}}},
+        ["records"],
+    ),
+    "ReplicaWithdrawalBatch": _object(
         {
-            "records": {
+            "replicas": {
                 "type": "array",
-                "items": {"description": "a ReplicaRecord"},
+                "items": {"description": "{compat_id, scope_id, block_key, holder}"},
             }
         },
-        ["records"],
+        ["replicas"],
     ),
     "ReplicaBatchAnswer": _object(
         {
@@ -631,6 +635,10 @@ OPERATIONS = {
     ),
     ("/kvsp/replicas", "post"): (
         "ReplicaBatch",
+        {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
+    ),
+    ("/kvsp/replicas/withdrawals", "post"): (
+        "ReplicaWithdrawalBatch",
         {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
     ),
     ("/kvsp/lookup", "post"): ("LookupRequest", {200: "LookupAnswer", 413: "Problem"}),

@@ -20,6 +20,22 @@ def _require_object(data) -> dict:
     return data
 
 
+def _batch_items(data, member: str, item: str) -> list:
+    """The items of a batch body ``{member: [item, ...]}``; the body is refused whole when it
+    is not one, or has more items than KVSP_MAX_BATCH_RECORDS."""
+    items = _require_object(data).get(member)
+    if not isinstance(items, list):
+        raise ProtocolError(
+            "kvsp-malformed-request", f'the body must be {{"{member}": [{item}, ...]}}'
+        )
+    if len(items) > settings.KVSP_MAX_BATCH_RECORDS:
+        raise ProtocolError(
+            "kvsp-payload-too-large",
+            f"at most {settings.KVSP_MAX_BATCH_RECORDS} {member} per batch",
+        )
+    return items
+
+
 class ReplicaView(APIView):
     """One block's replicas: publish or refresh (PUT), withdraw (DELETE), list (GET); spec 6.1."""
 
@@ -61,17 +77,20 @@ class ReplicaBatchView(APIView):
     one request, each judged as its single PUT would be, every outcome answered in order."""
 
     def post(self, request):
-        records = _require_object(request.data).get("records")
-        if not isinstance(records, list):
-            raise ProtocolError(
-                "kvsp-malformed-request", 'the body must be {"records": [Replica Record, ...]}'
-            )
-        if len(records) > settings.KVSP_MAX_BATCH_RECORDS:
-            raise ProtocolError(
-                "kvsp-payload-too-large",
-                f"at most {settings.KVSP_MAX_BATCH_RECORDS} records per batch",
-            )
-        outcomes = services.do_publish_replicas(request.user, records)
+        records = _batch_items(request.data, "records", "Replica Record")
+        outcomes = services.do_publish_batch(request.user, records)
+        return Response({"results": [outcome.to_json() for outcome in outcomes]})
+
+
+class ReplicaWithdrawalBatchView(APIView):
+    """Batch withdrawal (an extension of 6.1, like batch publication): many replicas, each
+    named by the members that name it in its record, each judged as its single DELETE."""
+
+    def post(self, request):
+        replicas = _batch_items(
+            request.data, "replicas", '{"compat_id", "scope_id", "block_key", "holder"}'
+        )
+        outcomes = services.do_withdraw_batch(request.user, replicas)
         return Response({"results": [outcome.to_json() for outcome in outcomes]})
 
 

@@ -171,7 +171,7 @@ def test_statements_do_not_grow_with_the_batch(scope, holder_a):
         return len(queries)
 
     statements(1)  # the holder's first record interns it
-    # Authentication, the rate limit's bucket, and the batch's upsert in its transaction.
+    # Authentication, and the batch's upsert inside its savepoint.
     assert statements(2) == statements(64) == statements(512) == 4
 
 
@@ -225,3 +225,70 @@ def test_the_namespace_limit_is_the_columns(scope):
     record["moqt_namespace"] = namespace
     assert base64.urlsafe_b64decode(namespace + "=" * (-len(namespace) % 4))
     assert [r["status"] for r in publish(holder, [record])] == [201]
+
+
+# --- batch withdrawal ---------------------------------------------------------------------------
+
+WITHDRAWALS = "/kvsp/replicas/withdrawals"
+
+
+def identity(record, holder=None) -> dict:
+    names = ("compat_id", "scope_id", "block_key")
+    return {**{name: record[name] for name in names}, "holder": holder or record["holder"]}
+
+
+def withdraw(caller, identities):
+    response = caller.post(WITHDRAWALS, {"replicas": identities})
+    assert response.status_code == 200, response.content
+    return body(response)["results"]
+
+
+def test_a_batch_withdraws_each_replica_as_its_delete(scope, other_scope, holder_a):
+    ours = [replica_json(scope.scope_id_hex, COMPAT, random_key()) for _ in range(3)]
+    publish(holder_a, ours)
+    theirs = replica_json(other_scope.scope_id_hex, COMPAT, random_key())
+    publish(make_caller("holder-b", scopes=[other_scope], holders=[HOLDER_A]), [theirs])
+    unknown = replica_json(scope.scope_id_hex, COMPAT, random_key())
+    asked = [
+        identity(ours[0]),
+        identity(ours[0]),  # named twice: the first withdraws it
+        identity(ours[1], HOLDER_B),  # a holder this principal does not act for
+        identity(unknown),
+        identity(theirs),  # another tenant's replica: as if it did not exist
+        {**identity(ours[2]), "block_key": "not hex"},
+        identity(ours[2]),
+    ]
+    results = withdraw(holder_a, asked)
+    assert [r["status"] for r in results] == [204, 404, 403, 404, 404, 400, 204]
+    assert [r["holder"] for r in results[:3]] == [HOLDER_A, HOLDER_A, HOLDER_B]
+    assert results[3]["problem"] == results[4]["problem"]
+    remaining = {bytes(k).hex() for k in Replica.objects.values_list("block_key", flat=True)}
+    assert remaining == {ours[1]["block_key"], theirs["block_key"]}
+    # Each refusal is the answer of the single DELETE.
+    for index in (2, 3, 4):
+        single = holder_a.delete(path_of(asked[index]) + f"?holder={asked[index]['holder']}")
+        assert (results[index]["status"], results[index]["problem"]) == (
+            single.status_code,
+            body(single),
+        )
+
+
+def test_withdrawal_statements_do_not_grow_with_the_batch(scope, holder_a):
+    def statements(count: int) -> int:
+        records = [replica_json(scope.scope_id_hex, COMPAT, random_key()) for _ in range(count)]
+        publish(holder_a, records)
+        with CaptureQueriesContext(connection) as queries:
+            results = withdraw(holder_a, [identity(record) for record in records])
+        assert {r["status"] for r in results} == {204}
+        return len(queries)
+
+    # Authentication, and the batch's delete.
+    assert statements(2) == statements(64) == statements(512) == 2
+    assert Replica.objects.count() == 0
+
+
+@pytest.mark.parametrize("document", [[], {"replicas": "all"}, {"records": []}])
+def test_a_malformed_withdrawal_body_is_refused_whole(holder_a, document):
+    response = holder_a.post(WITHDRAWALS, document)
+    assert response.status_code == 400
+    assert problem_name(response) == "kvsp-malformed-request"
