@@ -225,6 +225,8 @@ def main():
         with psycopg.connect(f"{PG}/{DB}", autocommit=True) as conn, conn.cursor() as cursor:
             scope = bytes.fromhex(scope_hex)
             for count in (1024, 8192):
+                # A fresh connection: the server's keep-alive may lapse while keys are built.
+                lookup_conn.close()
                 start = (args.rows // 2) - count
                 keys = [key_of(i) for i in range(start, start + count)]
                 missing = [key_of(-1 - i) for i in range(start, start + count)]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import orjson
@@ -88,30 +89,86 @@ def publish_replicas(records: list[ReplicaRecord]) -> list[PublishOutcome]:
     KVSP_MAX_BODY_OCTETS octets, or single PUTs where the control plane has no batch route.
     One outcome per record, in order; a record the IS refused, or could not be asked about,
     is an outcome with its error rather than an exception."""
-    if not records:
+
+    def outcome(url: str, record: ReplicaRecord, result: dict) -> PublishOutcome:
+        if result.get("status") in (200, 201):
+            granted = result.get("ttl_ms")
+            ttl_ms = granted if type(granted) is int else record.ttl_ms
+            return PublishOutcome(record, ttl_ms=ttl_ms)
+        return PublishOutcome(record, error=_refusal(url, record.block_key, result))
+
+    return _in_batches(
+        "replicas",
+        "records",
+        records,
+        encode=ReplicaRecord.to_json,
+        outcome=outcome,
+        one_by_one=_publish_each,
+        failed=lambda record, failure: PublishOutcome(record, error=failure),
+    )
+
+
+def withdraw_replicas(replicas: list[tuple[bytes, bytes, bytes]]) -> list[Exception | None]:
+    """Withdraw this node's records of many replicas, each (compat_id, scope_id, block_key)
+    (6.1), as ``publish_replicas`` publishes: ``POST CP replicas/withdrawals`` in chunks, or
+    one DELETE each where the control plane has no batch route. One error or None per replica,
+    in order; a record the IS no longer has is fine."""
+    holder = settings.KVSP_PUBLIC_URL
+
+    def encode(ids: tuple) -> dict:
+        compat_id, scope_id, block_key = ids
+        return {
+            "compat_id": compat_id.hex(),
+            "scope_id": scope_id.hex(),
+            "block_key": block_key.hex(),
+            "holder": holder,
+        }
+
+    def outcome(url: str, ids: tuple, result: dict) -> Exception | None:
+        if result.get("status") in (204, 404):
+            return None
+        return _refusal(url, ids[2].hex(), result)
+
+    return _in_batches(
+        "replicas/withdrawals",
+        "replicas",
+        replicas,
+        encode=encode,
+        outcome=outcome,
+        one_by_one=lambda items: [_withdraw_one(ids) for ids in items],
+        failed=lambda ids, failure: failure,
+    )
+
+
+def _in_batches(route: str, member: str, items: list, *, encode, outcome, one_by_one, failed):
+    """``items`` sent to the batch route ``route`` as ``{member: [...]}``, in chunks the
+    control plane takes; ``outcome(url, item, result)`` of each result, ``one_by_one(items)``
+    where the route is missing (or for a single item), ``failed(item, error)`` for each item of
+    a request that failed whole."""
+    if not items:
         return []
     try:
-        url = f"{_base()}replicas"
+        url = f"{_base()}{route}"
     except PeerUnreachable as unreachable:
-        return [PublishOutcome(record, error=unreachable) for record in records]
-    if len(records) == 1 or time.monotonic() < _no_batch_route_until.get(url, 0.0):
-        return _publish_each(records)  # the spec's own request for a single record
-    encoded = [orjson.dumps(record.to_json()) for record in records]
-    outcomes: list[PublishOutcome] = []
-    start = 0
+        return [failed(item, unreachable) for item in items]
+    if len(items) == 1 or time.monotonic() < _no_batch_route_until.get(url, 0.0):
+        return one_by_one(items)  # the spec's own request for a single item
+    encoded = [orjson.dumps(encode(item)) for item in items]
+    chunk = partial(_post_chunk, url, member, outcome=outcome, one_by_one=one_by_one, failed=failed)
+    results, start = [], 0
     for end in _chunk_ends(encoded):
-        outcomes += _publish_chunk(url, records[start:end], encoded[start:end])
+        results += chunk(items[start:end], encoded[start:end])
         start = end
-    return outcomes
+    return results
 
 
 def _chunk_ends(encoded: list[bytes]) -> Iterator[int]:
-    """Where each chunk of ``encoded`` records ends: as many as a batch may carry."""
-    most_records = max(settings.KVSP_MAX_BATCH_RECORDS, 1)
+    """Where each chunk of ``encoded`` items ends: as many as a batch may carry."""
+    most_items = max(settings.KVSP_MAX_BATCH_RECORDS, 1)
     most_octets = settings.DATA_UPLOAD_MAX_MEMORY_SIZE - _BATCH_ENVELOPE_OCTETS
     count = octets = 0
     for index, body in enumerate(encoded):
-        if count and (count == most_records or octets + len(body) + 1 > most_octets):
+        if count and (count == most_items or octets + len(body) + 1 > most_octets):
             yield index
             count = octets = 0
         count += 1
@@ -119,8 +176,8 @@ def _chunk_ends(encoded: list[bytes]) -> Iterator[int]:
     yield len(encoded)
 
 
-def _publish_chunk(url: str, records: list, encoded: list[bytes]) -> list[PublishOutcome]:
-    body = b'{"records":[' + b",".join(encoded) + b"]}"
+def _post_chunk(url, member, items, encoded, *, outcome, one_by_one, failed) -> list:
+    body = b'{"' + member.encode() + b'":[' + b",".join(encoded) + b"]}"
     try:
         response = call(
             client(),
@@ -131,37 +188,37 @@ def _publish_chunk(url: str, records: list, encoded: list[bytes]) -> list[Publis
         )
         if response.status_code in _NO_BATCH_ROUTE:
             _no_batch_route_until[url] = time.monotonic() + _NO_BATCH_ROUTE_RETRY_S
-            return _publish_each(records)
-        if response.status_code == 413 and len(records) > 1:  # a smaller body limit there
-            half = len(records) // 2
-            return _publish_chunk(url, records[:half], encoded[:half]) + _publish_chunk(
-                url, records[half:], encoded[half:]
+            return one_by_one(items)
+        if response.status_code == 413 and len(items) > 1:  # a smaller body limit there
+            half = len(items) // 2
+            again = partial(
+                _post_chunk, url, member, outcome=outcome, one_by_one=one_by_one, failed=failed
             )
+            return again(items[:half], encoded[:half]) + again(items[half:], encoded[half:])
         results = raise_for_problem(response).json().get("results")
-        if not isinstance(results, list) or len(results) != len(records):
+        if not isinstance(results, list) or len(results) != len(items):
             raise ProtocolError("kvsp-upstream-error", f"{url}: the answer lists other results")
     except ValueError:
         failure = ProtocolError("kvsp-upstream-error", f"{url}: the answer is not JSON")
-        return [PublishOutcome(record, error=failure) for record in records]
+        return [failed(item, failure) for item in items]
     except (ProtocolError, PeerUnreachable) as failure:
-        return [PublishOutcome(record, error=failure) for record in records]
-    return [_outcome(url, record, result) for record, result in zip(records, results, strict=True)]
+        return [failed(item, failure) for item in items]
+    return [
+        outcome(url, item, result if isinstance(result, dict) else {})
+        for item, result in zip(items, results, strict=True)
+    ]
 
 
-def _outcome(url: str, record: ReplicaRecord, result: object) -> PublishOutcome:
-    """One record's outcome from its entry in a batch answer."""
-    result = result if isinstance(result, dict) else {}
+def _refusal(url: str, block_key: str, result: dict) -> ProtocolError | PeerUnreachable:
+    """The error one result of a batch answer reports."""
     status = result.get("status")
-    if status in (200, 201):
-        granted = result.get("ttl_ms")
-        return PublishOutcome(record, ttl_ms=granted if type(granted) is int else record.ttl_ms)
     problem = result.get("problem") if isinstance(result.get("problem"), dict) else {}
-    detail = f"{url}: {record.block_key}: {problem.get('detail', 'refused')}"
+    detail = f"{url}: {block_key}: {problem.get('detail', 'refused')}"
     if type(status) is int and status >= 500:
-        return PublishOutcome(record, error=PeerUnreachable(detail))
+        return PeerUnreachable(detail)
     name = problem_name(str(problem.get("type", ""))) or "kvsp-upstream-error"
     status = status if type(status) is int and 400 <= status < 500 else None
-    return PublishOutcome(record, error=ProtocolError(name, detail, status=status))
+    return ProtocolError(name, detail, status=status)
 
 
 def _publish_one(record: ReplicaRecord) -> PublishOutcome:
@@ -176,6 +233,14 @@ def _publish_each(records: list[ReplicaRecord]) -> list[PublishOutcome]:
         return [_publish_one(records[0])]
     with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(records))) as pool:
         return list(pool.map(_publish_one, records))
+
+
+def _withdraw_one(ids: tuple) -> Exception | None:
+    try:
+        withdraw(*ids)
+    except (ProtocolError, PeerUnreachable) as failure:
+        return failure
+    return None
 
 
 def withdraw(compat_id: bytes, scope_id: bytes, block_key: bytes) -> None:

@@ -53,7 +53,6 @@ from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirecti
 from kvsp.registries import RAW_CODEC, lookup_codec
 from kvsp.states import INSTANCE_LIFECYCLE, RESHARD_PHASES, InstanceEvent, ReshardEvent
 from kvspsite.celery import instance_queue
-from kvspsite.peers import PeerUnreachable
 from workers import control, selectors, tiers
 from workers.models import (
     Directive,
@@ -176,11 +175,16 @@ def _publish_on_commit(block: StoredBlock) -> None:
 
 
 def _withdraw(name: str, ids: BlockIds, reason: str, now: datetime) -> None:
-    """DELETE the record at the IS; when that cannot be delivered now, owe it (6.1)."""
-    try:
-        control.withdraw(*ids)
-    except (ProtocolError, PeerUnreachable) as exc:
-        log.warning("withdrawing %s failed (%s): retried later", ids[2].hex(), exc)
+    _withdraw_many(name, [ids], reason, now)
+
+
+def _withdraw_many(name: str, replicas: list[BlockIds], reason: str, now: datetime) -> None:
+    """Withdraw the records at the IS, in as few requests as it takes; a withdrawal that
+    cannot be delivered now is owed (6.1)."""
+    for ids, error in zip(replicas, control.withdraw_replicas(replicas), strict=True):
+        if error is None:
+            continue
+        log.warning("withdrawing %s failed (%s): retried later", ids[2].hex(), error)
         PendingWithdrawal.objects.update_or_create(
             instance=name,
             compat_id=ids[0],
@@ -209,13 +213,25 @@ def _protected_block_ids(name: str, now: datetime) -> set[int]:
 
 
 def _evict(block: StoredBlock, reason: str, now: datetime) -> None:
-    """Withdraw, then forget the block; its file goes once the deletion is committed, so a
-    reader never finds a committed row without its file."""
-    log.info("evicting %s: %s", block, reason)
-    _withdraw(block.instance, block.ids, reason, now)
-    path = tiers.stored_path(block)
-    block.delete()
-    transaction.on_commit(lambda: tiers.unlink_quietly(path), robust=True)
+    _evict_many([block], reason, now)
+
+
+def _evict_many(blocks: list[StoredBlock], reason: str, now: datetime) -> None:
+    """Withdraw, then forget blocks of one node; their files go once the deletion is
+    committed, so a reader never finds a committed row without its file."""
+    if not blocks:
+        return
+    for block in blocks:
+        log.info("evicting %s: %s", block, reason)
+    _withdraw_many(blocks[0].instance, [block.ids for block in blocks], reason, now)
+    paths = [tiers.stored_path(block) for block in blocks]
+    StoredBlock.objects.filter(pk__in=[block.pk for block in blocks]).delete()
+
+    def unlink() -> None:
+        for path in paths:
+            tiers.unlink_quietly(path)
+
+    transaction.on_commit(unlink, robust=True)
 
 
 def _demote(block: StoredBlock) -> None:
@@ -443,8 +459,7 @@ def _place_locked(
     path = tiers.block_path(tier, name, ids)
     tiers.place_file(spool, path)
     placed.append(path)
-    for victim in plan.evict:
-        _evict(victim, "evicted for room (least recently used, unleased, within quotas)", now)
+    _evict_many(plan.evict, "evicted for room (least recently used, unleased, within quotas)", now)
     block = _stored_block(name, ids, fields, tier, now, pending_move_id)
     block.save(force_insert=True)
     PendingWithdrawal.objects.filter(
@@ -700,26 +715,29 @@ def do_refresh_replicas(name: str, *, limit: int = 500) -> int:
 
 
 def do_retry_withdrawals(name: str, *, limit: int = 100) -> int:
-    done = 0
-    for pk in PendingWithdrawal.objects.filter(instance=name).values_list("pk", flat=True)[:limit]:
-        with transaction.atomic():
-            lock_node(name)
-            owed = PendingWithdrawal.objects.filter(pk=pk).first()
-            if owed is None:
-                continue
-            ids = (bytes(owed.compat_id), bytes(owed.scope_id), bytes(owed.block_key))
-            if selectors.held_block(name, *ids) is not None:
-                owed.delete()  # held again: its record is the current one
-                continue
-            try:
-                control.withdraw(*ids)
-            except (ProtocolError, PeerUnreachable):
-                owed.attempts += 1
-                owed.save(update_fields=["attempts"])
-                continue
-            owed.delete()
-            done += 1
-    return done
+    """Deliver withdrawals the node owes, under its lock so that none races a new copy of the
+    block: one held again is owed no more (its record is the current one). Returns how many
+    were delivered."""
+    with transaction.atomic():
+        lock_node(name)
+        owed = list(PendingWithdrawal.objects.filter(instance=name).order_by("pk")[:limit])
+        if not owed:
+            return 0
+        ids_of = {o.pk: (bytes(o.compat_id), bytes(o.scope_id), bytes(o.block_key)) for o in owed}
+        held = {
+            block.ids
+            for block in selectors.held_blocks(name).filter(
+                block_key__in=[ids[2] for ids in ids_of.values()]
+            )
+        }
+        due = [o for o in owed if ids_of[o.pk] not in held]
+        errors = control.withdraw_replicas([ids_of[o.pk] for o in due])
+        delivered = [o.pk for o, error in zip(due, errors, strict=True) if error is None]
+        failed = [o.pk for o, error in zip(due, errors, strict=True) if error is not None]
+        PendingWithdrawal.objects.filter(pk__in=failed).update(attempts=F("attempts") + 1)
+        done = [o.pk for o in owed if ids_of[o.pk] in held] + delivered
+        PendingWithdrawal.objects.filter(pk__in=done).delete()
+    return len(delivered)
 
 
 def do_sync_device_tier(name: str, device_tier: tiers.DeviceTier) -> int:
@@ -1132,7 +1150,7 @@ def do_release_owed(name: str, move_id: int | None = None) -> int:
                     block_key__in=[bytes.fromhex(key) for key in move.owed_release],
                 )
             }
-            owed = []
+            owed, leaving = [], []
             for key in move.owed_release:
                 block = blocks.get(key)
                 if block is None:
@@ -1140,11 +1158,11 @@ def do_release_owed(name: str, move_id: int | None = None) -> int:
                 if block.pk in leased:
                     owed.append(key)
                     continue
-                _evict(
-                    block, f"released by the move of {move.map} to version {move.to_version}", now
-                )
-                move.released_blocks += 1
-                released += 1
+                leaving.append(block)
+            reason = f"released by the move of {move.map} to version {move.to_version}"
+            _evict_many(leaving, reason, now)
+            move.released_blocks += len(leaving)
+            released += len(leaving)
             move.owed_release = owed
             if not owed:
                 move.finished_at = now

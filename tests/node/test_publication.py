@@ -181,3 +181,39 @@ def test_a_control_plane_out_of_reach_is_every_records_outcome(publisher, settin
     outcomes = control.publish_replicas(records(publisher, 3))
     assert len(outcomes) == 3
     assert all(isinstance(o.error, control.PeerUnreachable) for o in outcomes)
+
+
+def ids_of(record: ReplicaRecord) -> tuple[bytes, bytes, bytes]:
+    return (record.compat_id_bytes, record.scope_id_bytes, record.block_key_bytes)
+
+
+@pytest.mark.parametrize("which", ["batches", "spec_only"])
+def test_withdrawals_go_together_or_one_by_one(publisher, node_of, settings, which):
+    server = getattr(publisher, which)
+    node_of(server)
+    settings.KVSP_PUBLIC_URL = publisher.holder
+    ours = records(publisher, 2)
+    assert all(o.published for o in control.publish_replicas(ours))
+    unknown = records(publisher, 1)[0]  # never published: nothing to withdraw, which is fine
+    before = answered(server)
+    errors = control.withdraw_replicas([*map(ids_of, ours), ids_of(unknown)])
+    assert errors == [None] * 3
+    assert not {r.block_key for r in ours} & stored_keys(publisher)
+    if which == "batches":
+        expected = {("replica-withdrawals", "POST", "200"): 1}
+    else:
+        expected = {
+            ("unmatched", "POST", "404"): 1,
+            ("replica", "DELETE", "204"): 2,
+            ("replica", "DELETE", "404"): 1,
+        }
+    assert grew(before, answered(server)) == expected
+
+
+def test_a_withdrawal_the_control_plane_refuses_is_that_replicas_error(
+    publisher, node_of, settings
+):
+    node_of(publisher.batches)
+    settings.KVSP_PUBLIC_URL = HOLDER_B  # a holder the publisher does not act for
+    errors = control.withdraw_replicas([ids_of(r) for r in records(publisher, 2)])
+    assert [(e.problem, e.status) for e in errors] == [("kvsp-forbidden", 403)] * 2
