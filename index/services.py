@@ -198,8 +198,22 @@ def _granted_ttl_ms(record: ReplicaRecord, max_ttl_ms: int | None = None) -> int
     return min(record.ttl_ms, settings.KVSP_MAX_TTL_MS if max_ttl_ms is None else max_ttl_ms)
 
 
-def _replica_row(record: ReplicaRecord, ttl_ms: int, now: datetime) -> tuple:
-    """A record's column values, in the order of ``_UPSERT_MANY``'s arrays."""
+def _replica_row(
+    record: ReplicaRecord, ttl_ms: int, now: datetime, shared: dict | None = None
+) -> tuple:
+    """A record's column values, in the order of ``_UPSERT_MANY``'s arrays. ``shared`` keeps
+    what the records of one batch have in common, worked out once: the stored form of a
+    residency, the expiry of a TTL."""
+    shared = {} if shared is None else shared
+    residency = shared.get(("residency", record.residency))
+    if residency is None:
+        stored = orjson.dumps([entry.to_json() for entry in record.residency]).decode()
+        residency = shared[("residency", record.residency)] = (stored, _tier_mask(record))
+    expires_at = shared.get(("expires", ttl_ms))
+    if expires_at is None:
+        expires_at = shared[("expires", ttl_ms)] = connection.ops.adapt_datetimefield_value(
+            now + timedelta(milliseconds=ttl_ms)
+        )
     return (
         record.compat_id_bytes,
         record.scope_id_bytes,
@@ -209,11 +223,10 @@ def _replica_row(record: ReplicaRecord, ttl_ms: int, now: datetime) -> tuple:
         record.size,
         record.digest_bytes,
         bytes.fromhex("".join(record.layer_digests or ())),
-        orjson.dumps([entry.to_json() for entry in record.residency]).decode(),
-        _tier_mask(record),
+        *residency,
         record.moqt_namespace or "",
         ttl_ms,
-        connection.ops.adapt_datetimefield_value(now + timedelta(milliseconds=ttl_ms)),
+        expires_at,
     )
 
 
@@ -349,9 +362,10 @@ def do_publish_batch(principal, items: list, *, now: datetime | None = None) -> 
             judged.append(refusal)
     max_ttl_ms = settings.KVSP_MAX_TTL_MS
     rows: dict[tuple, tuple] = {}
+    shared: dict = {}
     for record in judged:
         if isinstance(record, ReplicaRecord):
-            row = _replica_row(record, _granted_ttl_ms(record, max_ttl_ms), now)
+            row = _replica_row(record, _granted_ttl_ms(record, max_ttl_ms), now, shared)
             rows[_row_identity(row)] = row  # the last record of a replica is the one it keeps
     # In one order, so that batches publishing the same replicas at once take their row locks
     # alike rather than deadlock.
