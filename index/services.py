@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 import orjson
 from django.conf import settings
@@ -296,25 +297,46 @@ def _echoed(item: object, member: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _publishable(principal, items: list) -> frozenset[str]:
-    """The holders the items name that the principal may act for, found at once."""
-    return authz.publishable_holders(
-        principal, {_echoed(item, "holder") for item in items} - {None}
-    )
+def _judge_all(principal, items: list, decode, authorize) -> list:
+    """Each item as ``decode`` makes it (an object with a ``holder``) and ``authorize(principal,
+    decoded, publishable)`` allows it, or the refusal of either. The holders the decoded items
+    name are looked up at once (``publishable``), not once per item."""
+    decoded = []
+    for item in items:
+        try:
+            decoded.append(decode(item))
+        except ProtocolError as refusal:
+            decoded.append(refusal)
+    # A holder with a NUL is no URL the database could hold, nor take in a query: refused later.
+    holders = {d.holder for d in decoded if not isinstance(d, ProtocolError)}
+    holders = {holder for holder in holders if "\x00" not in holder}
+    publishable = authz.publishable_holders(principal, holders)
+    judged = []
+    for item in decoded:
+        try:
+            if not isinstance(item, ProtocolError):
+                authorize(principal, item, publishable)
+            judged.append(item)
+        except ProtocolError as refusal:
+            judged.append(refusal)
+    return judged
 
 
-def _judge(principal, item: object, publishable: frozenset[str]) -> ReplicaRecord:
-    """The record ``item`` is, if its single PUT would store it; the PUT's refusal otherwise."""
+def _decode_record(item: object) -> ReplicaRecord:
     if not isinstance(item, dict):
         raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
-    record = ReplicaRecord.from_json(item)
+    return ReplicaRecord.from_json(item)
+
+
+def _authorize_record(principal, record: ReplicaRecord, publishable: frozenset[str]) -> None:
+    """What the single PUT refuses of a valid record: a scope or holder not the principal's,
+    then a value too long for its column."""
     authz.check_may_publish(principal, record, publishable)
     too_long = len(record.holder) > _HOLDER_MAX_LENGTH or (
         len(record.moqt_namespace or "") > _NAMESPACE_MAX_LENGTH
     )
     if too_long and connection.vendor != "sqlite":  # SQLite stores any length
         raise ProtocolError("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
-    return record
 
 
 def _upsert_many(rows: list[tuple], now: datetime) -> dict[tuple, int]:
@@ -353,13 +375,7 @@ def do_publish_batch(principal, items: list, *, now: datetime | None = None) -> 
     refresh it (200).
     """
     now = now or timezone.now()
-    publishable = _publishable(principal, items)
-    judged: list[ReplicaRecord | ProtocolError] = []
-    for item in items:
-        try:
-            judged.append(_judge(principal, item, publishable))
-        except ProtocolError as refusal:
-            judged.append(refusal)
+    judged = _judge_all(principal, items, _decode_record, _authorize_record)
     max_ttl_ms = settings.KVSP_MAX_TTL_MS
     rows: dict[tuple, tuple] = {}
     shared: dict = {}
@@ -406,9 +422,16 @@ RETURNING r.compat_id, r.scope_id, r.block_key, h.url
 """
 
 
-def _withdrawal_identity(item: object) -> tuple[bytes, bytes, bytes, str]:
-    """The replica an item of a batch withdrawal names: (compat_id, scope_id, block_key,
-    holder), the members that name it in a Replica Record."""
+class _Withdrawal(NamedTuple):
+    """A replica a batch withdrawal names, by the members that name it in its record."""
+
+    compat_id: bytes
+    scope_id: bytes
+    block_key: bytes
+    holder: str
+
+
+def _withdrawal_identity(item: object) -> _Withdrawal:
     if not isinstance(item, dict):
         raise ProtocolError("kvsp-malformed-request", "a withdrawal must be a JSON object")
     ids = []
@@ -422,7 +445,13 @@ def _withdrawal_identity(item: object) -> tuple[bytes, bytes, bytes, str]:
     holder = item.get("holder")
     if not isinstance(holder, str) or not holder:
         raise ProtocolError("kvsp-malformed-request", "holder is required")
-    return (*ids, holder)
+    return _Withdrawal(*ids, holder)
+
+
+def _authorize_withdrawal(principal, replica: _Withdrawal, publishable: frozenset[str]) -> None:
+    if "\x00" in replica.holder:  # no URL the database holds: its single DELETE fails on it
+        raise ProtocolError("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
+    authz.check_may_withdraw(principal, replica.scope_id, replica.holder, publishable)
 
 
 def _delete_replicas(identities: list[tuple]) -> set[tuple]:
@@ -448,15 +477,7 @@ def do_withdraw_batch(principal, items: list) -> list:
     the principal does not act for is forbidden, an unknown replica is 404) and the accepted ones
     are deleted together. The outcomes come in the order of ``items``; a replica named twice is
     withdrawn by its first item, and the later ones find it gone."""
-    publishable = _publishable(principal, items)
-    judged: list[tuple | ProtocolError] = []
-    for item in items:
-        try:
-            identity = _withdrawal_identity(item)
-            authz.check_may_withdraw(principal, identity[1], identity[3], publishable)
-            judged.append(identity)
-        except ProtocolError as refusal:
-            judged.append(refusal)
+    judged = _judge_all(principal, items, _withdrawal_identity, _authorize_withdrawal)
     wanted = sorted({identity for identity in judged if isinstance(identity, tuple)})
     deleted = _delete_replicas(wanted) if wanted else set()
     missing = ProtocolError("kvsp-not-found", "no such replica")

@@ -292,3 +292,18 @@ def test_a_malformed_withdrawal_body_is_refused_whole(holder_a, document):
     response = holder_a.post(WITHDRAWALS, document)
     assert response.status_code == 400
     assert problem_name(response) == "kvsp-malformed-request"
+
+
+def test_a_holder_no_database_holds_is_refused_alone(scope):
+    """A NUL in a holder fails any statement that names it: it is that item's refusal, and the
+    batch's statement for the others still runs (a principal bound to an instance, whose holders
+    are looked up in the database)."""
+    from placement.services import do_register_instance
+
+    do_register_instance("ii8", "http://ii8.test/kvsp/")
+    node = make_caller("node-ii8", scopes=[scope], instance="ii8")
+    own = replica_json(scope.scope_id_hex, COMPAT, random_key(), "http://ii8.test/kvsp/")
+    broken = replica_json(scope.scope_id_hex, COMPAT, random_key(), "http://ii8\x00.test/kvsp/")
+    assert [r["status"] for r in publish(node, [broken, own])] == [422, 201]
+    results = withdraw(node, [identity(own, "http://ii8\x00.test/kvsp/"), identity(own)])
+    assert [r["status"] for r in results] == [422, 204]
