@@ -148,16 +148,19 @@ def publish_all(pks: list[int]) -> int:
         with transaction.atomic():
             for name in sorted({block.instance for block in blocks}):
                 lock_node(name)
-            now = StoredBlock.objects.in_bulk([block.pk for block in blocks])
+            rows = StoredBlock.objects.in_bulk([block.pk for block in blocks])
+            gone: dict[str, list[BlockIds]] = {}
             for block in blocks:
-                row = now.get(block.pk)
+                row = rows.get(block.pk)
                 if row is None:
                     if block.pk in published:
-                        _withdraw(block.instance, block.ids, "evicted meanwhile", timezone.now())
+                        gone.setdefault(block.instance, []).append(block.ids)
                 elif _residency_key(row) != _residency_key(block):
                     pending.append(block.pk)
                 elif block.pk in published:
                     current += 1
+            for name, replicas in gone.items():
+                _withdraw_many(name, replicas, "evicted meanwhile", timezone.now())
         if not pending:
             break
     return current
