@@ -73,13 +73,13 @@ class PublishOutcome:
 
 # Records published at the same time where the control plane takes them one PUT each.
 PUBLISH_PARALLEL = 8
-# What a control plane that speaks only the spec answers to POST replicas: no such route.
+# What a control plane that speaks only the spec answers to a batch route: no such route.
 _NO_BATCH_ROUTE = (404, 405)
 # How long such a control plane is sent single PUTs before the batch route is tried again (it
 # may have been upgraded meanwhile).
 _NO_BATCH_ROUTE_RETRY_S = 300.0
 _no_batch_route_until: dict[str, float] = {}
-# Room for {"records": [...]} around the records themselves.
+# Room for the envelope, {"records": [...]} or {"replicas": [...]}, around the items.
 _BATCH_ENVELOPE_OCTETS = 64
 
 
