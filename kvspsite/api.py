@@ -250,7 +250,7 @@ def problem_exception_handler(exc, context):
             "kvsp-unavailable", "the database is unavailable; retry", headers={"Retry-After": "1"}
         )
     if isinstance(exc, DataError):
-        return problem_response("kvsp-invalid-record", _OUT_OF_RANGE)
+        return problem_response("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
     if isinstance(exc, Http404):
         return problem_response("kvsp-not-found", "no such resource")
     if isinstance(exc, RequestDataTooBig):
@@ -297,7 +297,7 @@ def is_api_path(path: str) -> bool:
 
 # The database refused a value the record rules admit (a number past what its column holds):
 # the request changed nothing, since the statement failed inside its transaction.
-_OUT_OF_RANGE = "a value of the request is out of the range this implementation stores"
+OUT_OF_RANGE_DETAIL = "a value of the request is out of the range this implementation stores"
 _SAFE_DETAIL = {
     400: "the request was refused as malformed",
     401: "authentication required",
@@ -345,7 +345,7 @@ class ProblemDetailsMiddleware:
             response["Retry-After"] = "1"
             return response
         if isinstance(exception, DataError):
-            return problem_http_response("kvsp-invalid-record", _OUT_OF_RANGE)
+            return problem_http_response("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
         log.exception("uncaught error on %s", request.path)
         return problem_http_response("kvsp-internal-error", _SAFE_DETAIL[500])
 

@@ -66,17 +66,19 @@ def _object(properties: dict, required=(), **extra) -> dict:
     return schema
 
 
+_PROBLEM = _object(
+    {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "instance": {"type": "string"},
+    },
+    ["type", "title", "status", "detail"],
+)
+
 SCHEMAS = {
-    "Problem": _object(
-        {
-            "type": {"type": "string"},
-            "title": {"type": "string"},
-            "status": {"type": "integer"},
-            "detail": {"type": "string"},
-            "instance": {"type": "string"},
-        },
-        ["type", "title", "status", "detail"],
-    ),
+    "Problem": _PROBLEM,
     "CompatibilityDescriptor": _object(
         {
             "model": {"type": "string", "minLength": 1},
@@ -151,6 +153,40 @@ SCHEMAS = {
     "Replicas": _object(
         {"block_key": _hex(32), "replicas": {"type": "array", "items": _ref("ReplicaRecord")}},
         ["block_key", "replicas"],
+    ),
+    # Each item is judged on its own, as its single PUT or DELETE would judge it, and a refused
+    # item is answered in its result: so any value is a valid item here, and only the envelope
+    # is refused whole.
+    "ReplicaBatch": _object(
+        {"records": {"type": "array", "items": {"description": "a ReplicaRecord"}}},
+        ["records"],
+    ),
+    "ReplicaWithdrawalBatch": _object(
+        {
+            "replicas": {
+                "type": "array",
+                "items": {"description": "{compat_id, scope_id, block_key, holder}"},
+            }
+        },
+        ["replicas"],
+    ),
+    "ReplicaBatchAnswer": _object(
+        {
+            "results": {
+                "type": "array",
+                "items": _object(
+                    {
+                        "block_key": {"type": "string", "nullable": True},
+                        "holder": {"type": "string", "nullable": True},
+                        "status": {"type": "integer", "minimum": 200, "maximum": 599},
+                        "problem": {**_PROBLEM, "nullable": True},
+                        "ttl_ms": _POSITIVE,
+                    },
+                    ["block_key", "holder", "status", "problem"],
+                ),
+            }
+        },
+        ["results"],
     ),
     "LookupRequest": _object(
         {
@@ -596,6 +632,14 @@ OPERATIONS = {
     ("/kvsp/replicas/{compat_id}/{scope_id}/{block_key}", "delete"): (
         None,
         {204: None, 400: "Problem", 403: "Problem", 404: "Problem"},
+    ),
+    ("/kvsp/replicas", "post"): (
+        "ReplicaBatch",
+        {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
+    ),
+    ("/kvsp/replicas/withdrawals", "post"): (
+        "ReplicaWithdrawalBatch",
+        {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
     ),
     ("/kvsp/lookup", "post"): ("LookupRequest", {200: "LookupAnswer", 413: "Problem"}),
     ("/kvsp/scopes/{scope_id}/key", "get"): (None, {200: "ScopeKey", 404: "Problem"}),

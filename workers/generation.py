@@ -646,10 +646,10 @@ def store_blocks(blocks: list[tuple], token_count: int) -> int:
 
 
 def publish_and_copy(stored: list[int], blocks: list[tuple]) -> bool:
-    """Publish the records of the rows ``stored`` and copy every block to the session
-    holders, PUBLISH_PARALLEL at a time. True when every block exists elsewhere now: at a
+    """Publish the records of the rows ``stored`` (in batches) and copy every block to the
+    session holders, PUBLISH_PARALLEL at a time. True when every block exists elsewhere now: at a
     session holder (and, when newly stored, in the index)."""
-    jobs = [partial(services.publish_current, pk) for pk in stored]
+    jobs = [lambda: services.publish_all(stored) == len(stored)] if stored else []
     jobs += [partial(copy_to_session_holders, ids, encoded) for ids, encoded in blocks]
     return all(_run_all(jobs))
 

@@ -37,13 +37,12 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -54,7 +53,6 @@ from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirecti
 from kvsp.registries import RAW_CODEC, lookup_codec
 from kvsp.states import INSTANCE_LIFECYCLE, RESHARD_PHASES, InstanceEvent, ReshardEvent
 from kvspsite.celery import instance_queue
-from kvspsite.peers import PeerUnreachable
 from workers import control, selectors, tiers
 from workers.models import (
     Directive,
@@ -74,8 +72,6 @@ log = logging.getLogger(__name__)
 
 # After a failed publish, the next attempt.
 PUBLISH_RETRY = timedelta(seconds=5)
-# Records published at the same time by ``publish_all``.
-PUBLISH_PARALLEL = 8
 # A file in a tier directory with no row younger than this may belong to a placement still in
 # its transaction.
 ORPHAN_GRACE_S = 300
@@ -104,63 +100,75 @@ def lock_node(name: str) -> Node:
 # --- Replica Records ---------------------------------------------------------------------------
 
 
-def _publish(block: StoredBlock) -> bool:
-    """PUT the block's record now; on failure, try again soon. True when published."""
-    now = timezone.now()
-    rows = StoredBlock.objects.filter(pk=block.pk)
-    try:
-        ttl_ms = control.publish(selectors.replica_record(block))
-    except (ProtocolError, PeerUnreachable) as exc:
-        log.warning("publishing %s failed: %s", block, exc)
-        rows.update(refresh_due_at=now + PUBLISH_RETRY)
-        return False
-    rows.update(
-        record_expires_at=now + timedelta(milliseconds=ttl_ms),
-        refresh_due_at=now + timedelta(milliseconds=ttl_ms / 2),
-    )
-    return True
+def _note_published(blocks: list[StoredBlock], outcomes: list, asked_at: datetime) -> None:
+    """Record when each block's record expires at the IS and is next due; one that was not
+    published is tried again soon."""
+    granted: dict[int, list[int]] = {}
+    failed = []
+    for block, outcome in zip(blocks, outcomes, strict=True):
+        if outcome.published:
+            granted.setdefault(outcome.ttl_ms, []).append(block.pk)
+        else:
+            failed.append((block, outcome.error))
+    if failed:
+        first, error = failed[0]
+        log.warning("publishing %d records failed (%s: %s)", len(failed), first, error)
+        StoredBlock.objects.filter(pk__in=[block.pk for block, _ in failed]).update(
+            refresh_due_at=asked_at + PUBLISH_RETRY
+        )
+    for ttl_ms, pks in granted.items():
+        StoredBlock.objects.filter(pk__in=pks).update(
+            record_expires_at=asked_at + timedelta(milliseconds=ttl_ms),
+            refresh_due_at=asked_at + timedelta(milliseconds=ttl_ms / 2),
+        )
 
 
 def _residency_key(block: StoredBlock) -> tuple:
     return (block.tier, block.device_layers)
 
 
-def publish_current(pk: int) -> bool:
-    """Publish a block's record as it stands, outside the node's lock, and make sure the IS is
-    not left with a record the node no longer stands by: if the block was evicted while the
-    record travelled, it is withdrawn again; if it moved, the new residency is published.
-    True when the IS has the current record."""
-    for _ in range(3):
-        block = StoredBlock.objects.filter(pk=pk).first()
-        if block is None or block.pending_move_id is not None:
-            return False  # gone, or not a replica yet: its move's commit publishes it
-        published = _publish(block)
-        with transaction.atomic():
-            lock_node(block.instance)
-            current = StoredBlock.objects.filter(pk=pk).first()
-            if current is None:
-                if published:
-                    _withdraw(block.instance, block.ids, "evicted meanwhile", timezone.now())
-                return False
-            if _residency_key(current) == _residency_key(block):
-                return published
-    return False
-
-
 def publish_all(pks: list[int]) -> int:
-    """Publish the records of many blocks, PUBLISH_PARALLEL at a time (see
-    ``publish_current``); how many the IS has now."""
+    """Publish the records of blocks as they stand, outside the node's lock, in as few requests
+    as the IS takes (``control.publish_replicas``), and make sure the IS is not left with a
+    record the node no longer stands by: a block evicted while its record travelled is
+    withdrawn again; one that moved is published again with its new residency. Blocks gone,
+    or not replicas yet (their move's commit publishes them), are skipped. Returns how many
+    of the blocks the IS has the current record of."""
+    current = 0
+    pending = list(pks)
+    for _ in range(3):
+        blocks = list(StoredBlock.objects.filter(pk__in=pending, pending_move__isnull=True))
+        if not blocks:
+            break
+        asked_at = timezone.now()
+        outcomes = control.publish_replicas([selectors.replica_record(b) for b in blocks])
+        _note_published(blocks, outcomes, asked_at)
+        published = {b.pk for b, outcome in zip(blocks, outcomes, strict=True) if outcome.published}
+        pending = []
+        with transaction.atomic():
+            for name in sorted({block.instance for block in blocks}):
+                lock_node(name)
+            rows = StoredBlock.objects.in_bulk([block.pk for block in blocks])
+            gone: dict[str, list[BlockIds]] = {}
+            for block in blocks:
+                row = rows.get(block.pk)
+                if row is None:
+                    if block.pk in published:
+                        gone.setdefault(block.instance, []).append(block.ids)
+                elif _residency_key(row) != _residency_key(block):
+                    pending.append(block.pk)
+                elif block.pk in published:
+                    current += 1
+            for name, replicas in gone.items():
+                _withdraw_many(name, replicas, "evicted meanwhile", timezone.now())
+        if not pending:
+            break
+    return current
 
-    def publish(pk: int) -> bool:
-        try:
-            return publish_current(pk)
-        finally:
-            connections.close_all()
 
-    if len(pks) <= 1:
-        return sum(publish_current(pk) for pk in pks)
-    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(pks))) as pool:
-        return sum(pool.map(publish, pks))
+def publish_current(pk: int) -> bool:
+    """``publish_all`` of one block: True when the IS has its current record."""
+    return publish_all([pk]) == 1
 
 
 def _publish_on_commit(block: StoredBlock) -> None:
@@ -170,44 +178,68 @@ def _publish_on_commit(block: StoredBlock) -> None:
 
 
 def _withdraw(name: str, ids: BlockIds, reason: str, now: datetime) -> None:
-    """Owe the withdrawal of a block's record (6.1) and deliver it as soon as the eviction is
-    committed ("immediately after evicting"), outside the node's lock: the IS may share the
-    database, and the embedded default's SQLite has one writer at a time, so a DELETE sent
-    while the node holds its lock would wait on the node itself. What cannot be delivered then
-    stays owed, and the keeper retries it."""
-    owed, _ = PendingWithdrawal.objects.update_or_create(
-        instance=name,
-        compat_id=ids[0],
-        scope_id=ids[1],
-        block_key=ids[2],
-        defaults={"reason": reason, "created_at": now},
+    _withdraw_many(name, [ids], reason, now)
+
+
+def _withdraw_many(name: str, replicas: list[BlockIds], reason: str, now: datetime) -> None:
+    """Owe the withdrawal of these records (6.1) and deliver them, in as few requests as the
+    IS takes, as soon as the eviction is committed ("immediately after evicting"), outside
+    the node's lock: the IS may share the database, and the embedded default's SQLite has one
+    writer at a time, so a DELETE sent while the node holds its lock would wait on the node
+    itself. What cannot be delivered then stays owed, and the keeper retries it."""
+    if not replicas:
+        return
+    PendingWithdrawal.objects.bulk_create(
+        [
+            PendingWithdrawal(
+                instance=name,
+                compat_id=ids[0],
+                scope_id=ids[1],
+                block_key=ids[2],
+                reason=reason,
+                created_at=now,
+            )
+            for ids in replicas
+        ],
+        update_conflicts=True,
+        unique_fields=["instance", "compat_id", "scope_id", "block_key"],
+        update_fields=["reason", "created_at"],
     )
-    pk = owed.pk
-    transaction.on_commit(lambda: _deliver_withdrawal(pk), robust=True)
+    keys = [ids[2] for ids in replicas]
+    transaction.on_commit(lambda: _deliver_withdrawals(name, keys), robust=True)
 
 
-def _deliver_withdrawal(pk: int) -> bool:
-    """DELETE an owed record at the IS; True when delivered. A block held again meanwhile
-    has its own current record: the withdrawal is dropped, or that record published again
-    when the DELETE crossed it."""
-    owed = PendingWithdrawal.objects.filter(pk=pk).first()
-    if owed is None:
-        return False
-    ids = (bytes(owed.compat_id), bytes(owed.scope_id), bytes(owed.block_key))
-    if selectors.held_block(owed.instance, *ids) is not None:
-        owed.delete()
-        return False
-    try:
-        control.withdraw(*ids)
-    except (ProtocolError, PeerUnreachable) as exc:
-        log.warning("withdrawing %s failed (%s): retried later", ids[2].hex(), exc)
-        PendingWithdrawal.objects.filter(pk=pk).update(attempts=F("attempts") + 1)
-        return False
-    PendingWithdrawal.objects.filter(pk=pk).delete()
-    again = selectors.held_block(owed.instance, *ids)
-    if again is not None:
-        publish_current(again.pk)
-    return True
+def _deliver_withdrawals(name: str, block_keys: list[bytes] | None = None, limit: int = 100):
+    """Send the withdrawals the node owes (those of ``block_keys``, or the oldest ``limit``)
+    in batches; how many were delivered. A block held again meanwhile has its own current
+    record: its withdrawal is dropped, or its record published again when the DELETE crossed
+    it."""
+    owed = PendingWithdrawal.objects.filter(instance=name).order_by("pk")
+    if block_keys is not None:
+        owed = owed.filter(block_key__in=block_keys)
+    owed = list(owed[:limit] if block_keys is None else owed)
+    if not owed:
+        return 0
+    ids_of = {o.pk: (bytes(o.compat_id), bytes(o.scope_id), bytes(o.block_key)) for o in owed}
+
+    def held() -> dict[BlockIds, int]:
+        rows = selectors.held_blocks(name).filter(block_key__in=[i[2] for i in ids_of.values()])
+        return {block.ids: block.pk for block in rows}
+
+    before = held()
+    due = [o for o in owed if ids_of[o.pk] not in before]
+    PendingWithdrawal.objects.filter(pk__in=[o.pk for o in owed if ids_of[o.pk] in before]).delete()
+    errors = control.withdraw_replicas([ids_of[o.pk] for o in due]) if due else []
+    delivered = [o.pk for o, error in zip(due, errors, strict=True) if error is None]
+    failed = [o.pk for o, error in zip(due, errors, strict=True) if error is not None]
+    if failed:
+        log.warning("%d withdrawals failed: retried later", len(failed))
+        PendingWithdrawal.objects.filter(pk__in=failed).update(attempts=F("attempts") + 1)
+    PendingWithdrawal.objects.filter(pk__in=delivered).delete()
+    crossed = [pk for ids, pk in held().items() if ids not in before]
+    if crossed:
+        publish_all(crossed)
+    return len(delivered)
 
 
 # --- Placement and eviction ----------------------------------------------------------------------
@@ -229,13 +261,25 @@ def _protected_block_ids(name: str, now: datetime) -> set[int]:
 
 
 def _evict(block: StoredBlock, reason: str, now: datetime) -> None:
-    """Withdraw, then forget the block; its file goes once the deletion is committed, so a
-    reader never finds a committed row without its file."""
-    log.info("evicting %s: %s", block, reason)
-    _withdraw(block.instance, block.ids, reason, now)
-    path = tiers.stored_path(block)
-    block.delete()
-    transaction.on_commit(lambda: tiers.unlink_quietly(path), robust=True)
+    _evict_many([block], reason, now)
+
+
+def _evict_many(blocks: list[StoredBlock], reason: str, now: datetime) -> None:
+    """Withdraw, then forget blocks of one node; their files go once the deletion is
+    committed, so a reader never finds a committed row without its file."""
+    if not blocks:
+        return
+    for block in blocks:
+        log.info("evicting %s: %s", block, reason)
+    _withdraw_many(blocks[0].instance, [block.ids for block in blocks], reason, now)
+    paths = [tiers.stored_path(block) for block in blocks]
+    StoredBlock.objects.filter(pk__in=[block.pk for block in blocks]).delete()
+
+    def unlink() -> None:
+        for path in paths:
+            tiers.unlink_quietly(path)
+
+    transaction.on_commit(unlink, robust=True)
 
 
 def _demote(block: StoredBlock) -> None:
@@ -463,8 +507,7 @@ def _place_locked(
     path = tiers.block_path(tier, name, ids)
     tiers.place_file(spool, path)
     placed.append(path)
-    for victim in plan.evict:
-        _evict(victim, "evicted for room (least recently used, unleased, within quotas)", now)
+    _evict_many(plan.evict, "evicted for room (least recently used, unleased, within quotas)", now)
     block = _stored_block(name, ids, fields, tier, now, pending_move_id)
     block.save(force_insert=True)
     PendingWithdrawal.objects.filter(
@@ -666,10 +709,9 @@ def do_evict_after_fault(block: StoredBlock, reason: str) -> bool:
     True when the block was dropped."""
     if _intact(block):
         return False
-    try:  # "MUST first withdraw" (6.6); outside the lock, as every withdrawal (``_withdraw``)
-        control.withdraw(*block.ids)
-    except (ProtocolError, PeerUnreachable) as exc:
-        log.warning("withdrawing lost %s failed (%s): owed", block, exc)
+    # "MUST first withdraw" (6.6); outside the lock, as every withdrawal (``_withdraw_many``).
+    # One that fails now is owed by the eviction below.
+    control.withdraw_replicas([block.ids])
     with transaction.atomic():
         lock_node(block.instance)
         current = StoredBlock.objects.filter(pk=block.pk).first()
@@ -732,12 +774,13 @@ def do_refresh_replicas(name: str, *, limit: int = 500) -> int:
         .order_by("refresh_due_at")
         .values_list("pk", flat=True)[:limit]
     )
-    return sum(publish_current(pk) for pk in due)
+    return publish_all(due)
 
 
 def do_retry_withdrawals(name: str, *, limit: int = 100) -> int:
-    owed = PendingWithdrawal.objects.filter(instance=name).values_list("pk", flat=True)[:limit]
-    return sum(_deliver_withdrawal(pk) for pk in list(owed))
+    """Deliver withdrawals the node owes (outside its lock, see ``_withdraw_many``); how
+    many were delivered."""
+    return _deliver_withdrawals(name, limit=limit)
 
 
 def do_sync_device_tier(name: str, device_tier: tiers.DeviceTier) -> int:
@@ -1150,7 +1193,7 @@ def do_release_owed(name: str, move_id: int | None = None) -> int:
                     block_key__in=[bytes.fromhex(key) for key in move.owed_release],
                 )
             }
-            owed = []
+            owed, leaving = [], []
             for key in move.owed_release:
                 block = blocks.get(key)
                 if block is None:
@@ -1158,11 +1201,11 @@ def do_release_owed(name: str, move_id: int | None = None) -> int:
                 if block.pk in leased:
                     owed.append(key)
                     continue
-                _evict(
-                    block, f"released by the move of {move.map} to version {move.to_version}", now
-                )
-                move.released_blocks += 1
-                released += 1
+                leaving.append(block)
+            reason = f"released by the move of {move.map} to version {move.to_version}"
+            _evict_many(leaving, reason, now)
+            move.released_blocks += len(leaving)
+            released += len(leaving)
             move.owed_release = owed
             if not owed:
                 move.finished_at = now
