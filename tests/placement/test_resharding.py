@@ -55,7 +55,7 @@ def test_grow_commits_when_every_member_acknowledges(controller, worker):
         wait_until(lambda: ReshardOperation.objects.get().finished_at is not None, "finished")
         for node in (one, two, three):
             received = node.received("POST", "/kvsp/reshard")
-            assert received[0]["to"] == 5 and received[0]["instance"] == node.url
+            assert received[0]["to"] == 5 and received[0]["instance"] == node.url, received
             assert received[-1] == {"map": "ctx-1", "commit": 5, "attempt": 1}
     operation = ReshardOperation.objects.get()
     assert operation.phase == "committed"
