@@ -1318,6 +1318,8 @@ def do_record_link(
     """Fold one measurement into the node's figures for its link to ``holder``."""
     now = timezone.now()
     with transaction.atomic():
+        # Under the node's lock: two loads measuring a new link at once make one row.
+        lock_node(name)
         row = MeasuredLink.objects.select_for_update().filter(instance=name, holder=holder).first()
         if row is None:
             if rtt_us is None or mbit_per_s is None:
