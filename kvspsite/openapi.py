@@ -43,6 +43,7 @@ _POSITIVE = {"type": "integer", "minimum": 1, "maximum": 9007199254740991}
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": 4294967295}
 _RANGE = {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}
 _RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS}
+_ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
 # OpenAPI 3.0 spells an exclusive bound as a flag on the bound.
 _POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
 
@@ -424,6 +425,7 @@ SCHEMAS = {
             "map": {"type": "string"},
             "from": _INT,
             "to": _INT,
+            "attempt": _ATTEMPT,
             "state": {"type": "string", "enum": ["preparing", "committed", "aborted"]},
             "plans": {"type": "array", "items": {"type": "object"}},
             "acknowledged": {"type": "array", "items": _URL},
@@ -562,7 +564,8 @@ SCHEMAS.update(
         },
         # A plan from this implementation's PC carries the Block Keys its ranges cover
         # (workers.resharding): scope_id, compat_id, block_tokens and blocks, an object from
-        # block indexes in decimal to Block Keys.
+        # block indexes in decimal to Block Keys; it and its commit and abort carry the number
+        # of the PC's attempt at the move.
         "ReshardPlan": _object(
             {
                 "map": _SEGMENT,
@@ -585,11 +588,16 @@ SCHEMAS.update(
                     "additionalProperties": _hex(32),
                     "maxProperties": 131072,
                 },
+                "attempt": _ATTEMPT,
             },
             ["map", "from", "to", "deadline_ms", "retain", "fetch", "release"],
         ),
-        "ReshardCommit": _object({"map": _SEGMENT, "commit": _POSITIVE}, ["map", "commit"]),
-        "ReshardAbort": _object({"map": _SEGMENT, "abort": _POSITIVE}, ["map", "abort"]),
+        "ReshardCommit": _object(
+            {"map": _SEGMENT, "commit": _POSITIVE, "attempt": _ATTEMPT}, ["map", "commit"]
+        ),
+        "ReshardAbort": _object(
+            {"map": _SEGMENT, "abort": _POSITIVE, "attempt": _ATTEMPT}, ["map", "abort"]
+        ),
         # A body with "commit" is a commit and one with "abort" an abort; any other a plan.
         "ReshardBody": {
             "anyOf": [_ref("ReshardPlan"), _ref("ReshardCommit"), _ref("ReshardAbort")]
@@ -599,6 +607,7 @@ SCHEMAS.update(
                 "map": {"type": "string"},
                 "from": {"type": "integer", "nullable": True},
                 "to": _INT,
+                "attempt": {**_ATTEMPT, "nullable": True},
                 "state": {"type": "string", "enum": ["preparing", "committed", "aborted"]},
                 "loaded": {"type": "boolean"},
                 "fetched_blocks": _INT,

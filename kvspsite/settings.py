@@ -226,6 +226,9 @@ KVSP_DIRECTIVE_POLL_S = _float_setting("KVSP_DIRECTIVE_POLL_S", 0.2)
 KVSP_FAILOVER_MAX_PER_CHECK = _int_setting("KVSP_FAILOVER_MAX_PER_CHECK", 10)
 KVSP_FAILOVER_CUT_OFF_FRACTION = _float_setting("KVSP_FAILOVER_CUT_OFF_FRACTION", 0.55)
 KVSP_FAILOVER_MIN_FLEET = _int_setting("KVSP_FAILOVER_MIN_FLEET", 3)
+# How long a resume that was sent has to be answered before the sweep sends it again
+# (sessions.tasks.retry_stalled): longer than one attempt takes.
+KVSP_RESUME_RESEND_S = _float_setting("KVSP_RESUME_RESEND_S", 15.0)
 
 # Node role.
 KVSP_INSTANCE = env.str("KVSP_INSTANCE", default="")

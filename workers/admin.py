@@ -97,6 +97,7 @@ class ReshardMoveAdmin(ReadOnlyAdmin):
     list_display = (
         "map",
         "to_version",
+        "attempt",
         "instance",
         "phase",
         "fetched_blocks",

@@ -329,12 +329,17 @@ class ReshardMove(models.Model):
     ``fetch_keys`` are the Block Keys of the plan's fetch ranges, ``release_keys`` those of its
     release ranges, hex; ``owed_release`` the ones still held after the commit because a lease
     covered them.
+
+    After an abort the PC may try the same move again: each try is a row, ``attempt`` the
+    number the PC gave it (the plan's extension member ``attempt``; null when it gave none).
+    At most one try of a move is not aborted.
     """
 
     instance = models.CharField(max_length=100)
     map = models.CharField(max_length=128)
     from_version = models.PositiveBigIntegerField(null=True, blank=True)
     to_version = models.PositiveBigIntegerField()
+    attempt = models.PositiveBigIntegerField(null=True, blank=True)
     phase = models.CharField(max_length=16, choices=MovePhase.choices, default=MovePhase.PREPARING)
     # The plan as received, normalized (kvsp.records.ReshardPlan JSON and its block members).
     plan = models.JSONField(null=True, blank=True)
@@ -358,8 +363,13 @@ class ReshardMove(models.Model):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["instance", "map", "to_version"], name="node_reshard_move"
-            )
+                fields=["instance", "map", "to_version"],
+                condition=~models.Q(phase="aborted"),
+                name="node_live_reshard_move",
+            ),
+            models.UniqueConstraint(
+                fields=["instance", "map", "to_version", "attempt"], name="node_reshard_attempt"
+            ),
         ]
         indexes = [models.Index(fields=["instance", "phase"])]
         ordering = ["-received_at"]

@@ -912,7 +912,9 @@ def do_accept_directive(directive: PrefetchDirective) -> Directive:
     body = directive.to_json()
     directive_id = uuid.UUID(directive.directive)
     with transaction.atomic():
-        ensure_node(name)
+        # Under the node's lock, the same directive sent twice at once (a task and the
+        # controller's resend) is one row, never a tripped constraint.
+        lock_node(name)
         existing = Directive.objects.filter(instance=name, directive=directive_id).first()
         if existing is not None:
             if existing.body != body:
@@ -938,27 +940,93 @@ def do_accept_directive(directive: PrefetchDirective) -> Directive:
 # --- Reshard moves (6.9) --------------------------------------------------------------------------
 
 
-def _move_locked(name: str, map_id: str, to_version: int) -> ReshardMove | None:
-    return (
+def _tries_locked(name: str, map_id: str, to_version: int) -> list[ReshardMove]:
+    """The tries of one move at this node, the latest first, locked."""
+    return list(
         ReshardMove.objects.select_for_update()
         .filter(instance=name, map=map_id, to_version=to_version)
-        .first()
+        .order_by("-pk")
     )
 
 
-def _decided_without_plan(name: str, map_id: str, to_version: int, phase: str) -> ReshardMove:
-    """A commit or abort for a move this node never had a plan of: recorded, with nothing to
-    do, so that the opposite decision arriving later is refused as the phases say."""
+def _try_of(tries: list[ReshardMove], attempt: int | None) -> ReshardMove | None:
+    """The try a message is about: the one of its attempt number, or the latest when it gives
+    none."""
+    if attempt is None:
+        return tries[0] if tries else None
+    return next((move for move in tries if move.attempt == attempt), None)
+
+
+def _superseded(attempt: int | None, latest: ReshardMove) -> bool:
+    """A message of an attempt older than the latest try here: the PC has moved on from it."""
+    return attempt is not None and latest.attempt is not None and attempt < latest.attempt
+
+
+def _clear_for_new_try(
+    tries: list[ReshardMove],
+    attempt: int | None,
+    map_id: str,
+    to_version: int,
+    now: datetime,
+    *,
+    older_ok: bool,
+) -> ReshardMove | None:
+    """Before another try of a move is recorded here: refused when the latest try is committed,
+    or newer than ``attempt`` (unless ``older_ok``: an abort of an older try is recorded as it
+    is). A latest try still preparing has been given up by the PC, which sent a later one: it
+    is aborted, as its abort (perhaps still on its way) would, and returned, so that the caller
+    discards its pending blocks once the later try is recorded and what that one wants passes
+    to it."""
+    latest = tries[0] if tries else None
+    if latest is None:
+        return None
+    if _superseded(attempt, latest):
+        if older_ok:
+            return None
+        raise _late(map_id, to_version, f"is at attempt {latest.attempt} here; {attempt} is older")
+    if latest.phase == MovePhase.COMMITTED:
+        raise _late(map_id, to_version, "is committed here")
+    if latest.phase == MovePhase.PREPARING:
+        latest.phase = MovePhase.ABORTED
+        latest.decided_at = latest.finished_at = now
+        latest.save(update_fields=["phase", "decided_at", "finished_at"])
+        return latest
+    return None
+
+
+def _late(map_id: str, to_version: int, why: str) -> ProtocolError:
+    return ProtocolError(
+        "kvsp-invalid-state", f"the move of {map_id} to version {to_version} {why}"
+    )
+
+
+def _decided_move(
+    name: str, map_id: str, to_version: int, attempt: int | None, phase: str
+) -> tuple[ReshardMove, bool]:
+    """The try a commit or abort (``phase``) is about, locked; True when this node has no plan
+    of it and recorded it as decided, with nothing to do, so that the opposite decision
+    arriving later is refused as the phases say."""
+    tries = _tries_locked(name, map_id, to_version)
+    move = _try_of(tries, attempt)
+    if move is not None:
+        return move, False
     now = timezone.now()
-    return ReshardMove.objects.create(
+    stopped = _clear_for_new_try(
+        tries, attempt, map_id, to_version, now, older_ok=phase == MovePhase.ABORTED
+    )
+    move = ReshardMove.objects.create(
         instance=name,
         map=map_id,
         to_version=to_version,
+        attempt=attempt,
         phase=phase,
         received_at=now,
         decided_at=now,
         finished_at=now,
     )
+    if stopped is not None:
+        _discard_pending(name, stopped)
+    return move, True
 
 
 @dataclass(frozen=True)
@@ -980,27 +1048,30 @@ def do_receive_plan(
     document: dict,
     blocks: MoveBlocks | None,
     deadline_ms: int,
+    attempt: int | None = None,
 ) -> tuple[ReshardMove, bool]:
     """Record a reshard plan (6.9), or find it recorded: a repeat is the same move. True when
     its fetch ranges are to be loaded now: a new plan with something to fetch, or a repeat that
     finds loading failed or stopped (a run still loading finishes alone).
 
-    A plan whose blocks the node already holds is loaded at once. A plan for a move decided
-    already, or another plan for the same move, is refused.
+    A plan whose blocks the node already holds is loaded at once. A plan of a try decided
+    already, or another plan for the same try, is refused. After an abort, a plan is the PC's
+    next try of the move (``attempt`` numbers the tries when the PC gives numbers: a plan of an
+    older try than the latest here is refused); a try still preparing when a later one arrives
+    is aborted, and the blocks it fetched that the later one wants pass to it.
     """
     name = selectors.node_name()
     now = timezone.now()
     deadline_at = now + timedelta(milliseconds=deadline_ms)
     with transaction.atomic():
         lock_node(name)
-        move = _move_locked(name, map_id, to_version)
+        tries = _tries_locked(name, map_id, to_version)
+        move = _try_of(tries, attempt)
+        if move is not None and attempt is None and move.phase == MovePhase.ABORTED:
+            move = None  # a plan after an abort, without a number: the PC's next try
         if move is not None:
             if move.phase != MovePhase.PREPARING:
-                raise ProtocolError(
-                    "kvsp-invalid-state",
-                    f"the move of {map_id} to version {to_version} is {move.phase} here; "
-                    "its plan comes too late",
-                )
+                raise _late(map_id, to_version, f"is {move.phase} here; its plan comes too late")
             if move.plan != document:
                 raise ProtocolError(
                     "kvsp-conflict",
@@ -1012,6 +1083,7 @@ def do_receive_plan(
             move.deadline_at, move.load_error = deadline_at, ""
             move.save(update_fields=["deadline_at", "load_error"])
             return move, True
+        stopped = _clear_for_new_try(tries, attempt, map_id, to_version, now, older_ok=False)
         fetch = blocks.fetch if blocks is not None else ()
         held = (
             selectors.held_keys(name, blocks.compat_id, blocks.scope_id, list(fetch))
@@ -1023,6 +1095,7 @@ def do_receive_plan(
             map=map_id,
             from_version=from_version,
             to_version=to_version,
+            attempt=attempt,
             plan=document,
             compat_id=None if blocks is None else blocks.compat_id,
             scope_id=None if blocks is None else blocks.scope_id,
@@ -1032,6 +1105,8 @@ def do_receive_plan(
             loaded_at=now if held >= set(fetch) else None,
             received_at=now,
         )
+        if stopped is not None:
+            _discard_pending(name, stopped)
         if blocks is not None:
             _keep_wanted(name, map_id, {key.hex() for key in (*blocks.fetch, *blocks.retain)})
     return move, move.loaded_at is None
@@ -1098,16 +1173,17 @@ def do_finish_loading(move_id: int, error: str = "") -> None:
         moves.update(loaded_at=timezone.now(), load_error="")
 
 
-def do_commit_move(map_id: str, to_version: int) -> ReshardMove:
+def do_commit_move(map_id: str, to_version: int, attempt: int | None = None) -> ReshardMove:
     """POST reshard {"map", "commit": v+1} (6.9): the blocks fetched for the move become held
     and are published; then the release ranges are released (``do_release_owed``). A repeated
-    commit changes nothing; a commit after an abort is refused (``RESHARD_PHASES``)."""
+    commit changes nothing; a commit after an abort is refused (``RESHARD_PHASES``), and so is
+    one of an attempt older than the latest try here."""
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move = _move_locked(name, map_id, to_version)
-        if move is None:
-            return _decided_without_plan(name, map_id, to_version, MovePhase.COMMITTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.COMMITTED)
+        if recorded:
+            return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.COMMIT)
         fetched = []
         if move.phase == MovePhase.PREPARING:
@@ -1127,16 +1203,17 @@ def do_commit_move(map_id: str, to_version: int) -> ReshardMove:
     return move
 
 
-def do_abort_move(map_id: str, to_version: int) -> ReshardMove:
+def do_abort_move(map_id: str, to_version: int, attempt: int | None = None) -> ReshardMove:
     """POST reshard {"map", "abort": v+1} (6.9): what was fetched for the move is discarded,
     nothing is released. A repeated abort changes nothing; an abort after a commit is refused
-    (``RESHARD_PHASES``)."""
+    (``RESHARD_PHASES``); an abort of an attempt older than the latest try here is about a try
+    the PC has given up already, and changes nothing."""
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move = _move_locked(name, map_id, to_version)
-        if move is None:
-            return _decided_without_plan(name, map_id, to_version, MovePhase.ABORTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.ABORTED)
+        if recorded:
+            return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.ABORT)
         if move.phase == MovePhase.PREPARING:
             _discard_pending(name, move)
@@ -1314,6 +1391,8 @@ def do_record_link(
     """Fold one measurement into the node's figures for its link to ``holder``."""
     now = timezone.now()
     with transaction.atomic():
+        # Under the node's lock: two loads measuring a new link at once make one row.
+        lock_node(name)
         row = MeasuredLink.objects.select_for_update().filter(instance=name, holder=holder).first()
         if row is None:
             if rtt_us is None or mbit_per_s is None:

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workers", "0004_wide_versions_and_epochs"),
+        ("workers", "0005_reshard_attempts"),
     ]
 
     operations = [

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("kvsp_sessions", "0002_wide_epochs"),
+        ("kvsp_sessions", "0003_owed_resumes"),
     ]
 
     operations = [
