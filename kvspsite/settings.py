@@ -318,6 +318,10 @@ if KVSP_ROLE == "node":
             _url_setting(_name, _value, ("http", "https"))
             if not _value.endswith("/"):
                 raise ImproperlyConfigured(f"{_name}={_value!r} must be a base URL ending with '/'")
+    # Without these a node would start and then refuse every store and report (6.3, 6.7).
+    for _name in ("KVSP_INSTANCE", "KVSP_PUBLIC_URL", "KVSP_CONTROL_URL", "KVSP_TOKEN"):
+        if not globals()[_name]:
+            raise ImproperlyConfigured(f"{_name} must be set when KVSP_ROLE is node")
 
 # --- Celery -----------------------------------------------------------------------------------
 

@@ -18,6 +18,14 @@ PRINT_SETTINGS = (
 )
 
 CONFIG_NAMES = ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "KVSP_ROLE")
+# What every node needs: its name, its base URL, the control plane's and its token.
+NODE_SETTINGS = {
+    "KVSP_ROLE": "node",
+    "KVSP_INSTANCE": "ii1",
+    "KVSP_PUBLIC_URL": "http://ii1.internal:8001/kvsp/",
+    "KVSP_CONTROL_URL": "http://cp.internal:8000/kvsp/",
+    "KVSP_TOKEN": "kvsp_node-token",
+}
 
 
 def clean_env(tmp_path, **values):
@@ -72,7 +80,7 @@ def test_production_urls_and_numbers_are_read(tmp_path):
         tmp_path,
         DATABASE_URL="postgres://kvsp@db.internal:5433/kvsp",
         CELERY_BROKER_URL="redis://cache.internal:6379/2",
-        KVSP_ROLE="node",
+        **NODE_SETTINGS,
         KVSP_MAX_TTL_MS="1234",
         KVSP_LEASE_MAX_OCTETS="4096",
     )
@@ -122,7 +130,7 @@ def test_master_key_in_hex_or_base64(tmp_path, value, key):
         ({"KVSP_MASTER_KEY": "hex:" + "zz" * 32}, "KVSP_MASTER_KEY"),
         ({"KVSP_MASTER_KEY": "base64:" + "ab" * 32}, "KVSP_MASTER_KEY"),
         ({"KVSP_PRODUCTION": "1"}, "KVSP_PRODUCTION"),
-        ({"KVSP_ROLE": "node", "KVSP_CONTROL_URL": "cp.internal"}, "KVSP_CONTROL_URL"),
+        ({**NODE_SETTINGS, "KVSP_CONTROL_URL": "cp.internal"}, "KVSP_CONTROL_URL"),
     ],
 )
 def test_bad_configuration_stops_startup_in_one_line(tmp_path, values, named):
