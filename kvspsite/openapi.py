@@ -728,8 +728,9 @@ PARAMETERS = {
         _header(
             "Repr-Digest",
             _REPR_DIGEST,
-            "RFC 9530: the SHA-256 of the body; a PUT without it is refused (400)",
-            required=True,
+            "RFC 9530: the SHA-256 of the body, checked when present (422 when it differs); "
+            "without it the body is checked as a KV Block Container only",
+            required=False,
         ),
         # Required by this holder: without it the answer is 428 (a holder never replaces a
         # replica, so the client must say it expects none).
