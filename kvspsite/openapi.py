@@ -213,7 +213,16 @@ SCHEMAS = {
             },
             "requested_state": {"type": "string", "enum": ["sleeping"], "nullable": True},
             "ttl_ms": _POSITIVE,
-            "compat_ids": {"type": "array", "items": _hex(32)},
+            "compat_ids": {
+                "type": "array",
+                "items": _hex(32),
+                "description": "the compat ids it serves; absent or empty: any",
+            },
+            "engine": {
+                "type": "boolean",
+                "description": "false for a node without an engine (a storage-only holder): "
+                "never a placement or resume candidate; absent: it runs one",
+            },
         },
         [
             "instance",
