@@ -143,15 +143,24 @@ def main() -> None:
         "KVSP_LOG_LEVEL": "ERROR",
         "PYTHONUNBUFFERED": "1",
     }
-    env.pop("KVSP_CONTROL_URL", None)
+    control_env = {**env, "KVSP_ROLE": "control"}
     fresh_database(DB)
-    migrated = run_manage("migrate", "--no-input", env=env)
+    migrated = run_manage("migrate", "--no-input", env=control_env)
     if migrated.returncode:
         sys.exit(migrated.stderr)
-    scope = json.loads(run_manage("kvsp_scope", "create", "bench", env=env).stdout)["scope_id"]
-    token = json.loads(
-        run_manage("kvsp_principal", "create", "bench-client", "--scope", scope, env=env).stdout
-    )["token"]
+
+    def principal(*args: str) -> str:
+        created = run_manage("kvsp_principal", "create", *args, env=control_env)
+        return json.loads(created.stdout)["token"]
+
+    scope = json.loads(run_manage("kvsp_scope", "create", "bench", env=control_env).stdout)[
+        "scope_id"
+    ]
+    token = principal("bench-client", "--scope", scope)
+    # No control plane runs here: the node's is a free port that nobody answers, so the PUT's
+    # publication fails at once (the keeper that would retry it is not started either).
+    env["KVSP_CONTROL_URL"] = f"http://127.0.0.1:{free_port()}/kvsp/"
+    env["KVSP_TOKEN"] = principal("bench-node", "--scope", scope, "--holder", node_url)
 
     rng = random.Random(6701)
     data = encode(

@@ -285,6 +285,54 @@ def _section_offsets(
     return offsets
 
 
+def _check_raw_layout(codec: int, first_layer: int, token_count: int, table: memoryview) -> None:
+    """Refuse a codec raw container whose length table no ``kvsp-layout-1`` can have (4.3).
+
+    Every section of codec raw holds token_count x kv_heads x head_dim elements (kv_heads and
+    head_dim at least 1), and one container has one geometry: all K and V sections are of one
+    length, a non-zero whole multiple of the token count (a container of no tokens has empty
+    sections). The element type and the
+    geometry themselves are the Compatibility Descriptor's (:mod:`kvsp.tensors`). Other codecs'
+    sections are opaque here.
+    """
+    if codec != RAW_CODEC:
+        return
+    # One comparison of octets (a memoryview's own == goes element by element).
+    octets = table.tobytes()
+    if octets != octets[:8] * (len(octets) // 8):
+        _raise_uneven_sections(first_layer, table)
+    length = int.from_bytes(octets[:8], "big")
+    if token_count == 0 and length:
+        raise ProtocolError(
+            "kvsp-invalid-container",
+            f"codec raw: a container of 0 tokens has empty sections, not of {length} octets",
+        )
+    if token_count and (length == 0 or length % token_count):
+        raise ProtocolError(
+            "kvsp-invalid-container",
+            f"codec raw: sections of {length} octets do not hold {token_count} tokens of at "
+            "least one whole element each (kvsp-layout-1)",
+        )
+
+
+def _raise_uneven_sections(first_layer: int, table: memoryview) -> None:
+    lengths = list(_SECTION_LENGTHS.iter_unpack(table))
+    for index, (k_length, v_length) in enumerate(lengths):
+        layer = first_layer + index
+        if k_length != v_length:
+            raise ProtocolError(
+                "kvsp-invalid-container",
+                f"codec raw: layer {layer} has a K section of {k_length} octets and a V section "
+                f"of {v_length}; both hold the same elements (kvsp-layout-1)",
+            )
+        if k_length != lengths[0][0]:
+            raise ProtocolError(
+                "kvsp-invalid-container",
+                f"codec raw: layer {layer} has sections of {k_length} octets, layer "
+                f"{first_layer} of {lengths[0][0]}; a container has one geometry",
+            )
+
+
 class Container:
     """A decoded KV Block Container; layers are views into ``buffer``, never copies.
 
@@ -435,8 +483,10 @@ def decode(
     octets are both errors. Raises ProtocolError ``kvsp-invalid-container``, or
     ``kvsp-payload-too-large`` when ``data`` is longer than ``max_size``. Receivers should pass
     the model's layer count as ``max_layers``; without it the layer count is bounded only by the
-    length of ``data``. The codec is not checked: here sections are opaque octets, and
-    :mod:`kvsp.tensors` checks codec raw and its geometry.
+    length of ``data``. The codec is not looked up; for codec raw the length table must be one
+    that layout ``kvsp-layout-1`` can have (every section of one length, a whole multiple of
+    the token count), and :mod:`kvsp.tensors` checks the geometry a descriptor states; other
+    codecs' sections are opaque octets.
     """
     view = _octets(data)
     size = len(view)
@@ -465,12 +515,14 @@ def decode(
             f"({size} octets)",
         )
 
-    offsets = _section_offsets(view[FIXED_HEADER_SIZE:table_end], table_end, size, truncated)
+    table = view[FIXED_HEADER_SIZE:table_end]
+    offsets = _section_offsets(table, table_end, size, truncated)
     if offsets[-1] != size:
         raise ProtocolError(
             "kvsp-invalid-container",
             f"{size - offsets[-1]} trailing octets after the last layer",
         )
+    _check_raw_layout(codec, first_layer, token_count, table)
     return Container(
         view,
         version=version,
@@ -778,9 +830,10 @@ class ContainerStreamReader:
                 f"layer {self.first_layer + index} ends past the limit of {max_size} octets",
             )
 
-        self._offsets = _section_offsets(
-            self._view[FIXED_HEADER_SIZE:table_end], table_end, max_size, too_large
-        )
+        table = self._view[FIXED_HEADER_SIZE:table_end]
+        self._offsets = _section_offsets(table, table_end, max_size, too_large)
+        # Before the data's buffer is allocated: nothing of a container that cannot be is kept.
+        _check_raw_layout(self.codec, self.first_layer, self.token_count, table)
         self.header_size = table_end
         self.size = self._offsets[-1]
         self._replace_buffer(self.size)

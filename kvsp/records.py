@@ -826,9 +826,12 @@ class InstanceStatusRecord(Record):
     and ``kv_utilization``, so a record without them is more likely a fault than a choice.
     ``links`` may be empty; a holder without a link is one the instance cannot be priced to
     fetch from. ``requested_state`` may only be "sleeping" (6.3: an instance may ask to sleep;
-    waking is the PC's decision). ``compat_ids`` (DESIGN.md section 3) lists the compatibility
-    ids the instance serves; absent, it serves any, and an empty list says it serves none (a
-    storage-only holder, which reports its status for its links and liveness alone).
+    waking is the PC's decision). Two extension members (DESIGN.md section 3) say which
+    requests placement may send the instance: ``compat_ids`` lists the compatibility ids it
+    serves (absent or empty, it serves any), and ``engine`` is false for a node without an
+    engine (a storage-only holder, which reports its status for its links and liveness alone
+    and is never a placement or resume candidate, whatever its compat ids); absent, the
+    instance runs an engine.
     """
 
     NAME: ClassVar[str] = "Instance Status Record"
@@ -846,6 +849,7 @@ class InstanceStatusRecord(Record):
     ttl_ms: int
     requested_state: str | None = None
     compat_ids: tuple[str, ...] | None = None
+    engine: bool = True
 
     def __post_init__(self) -> None:
         _check_base_url(self.instance, ("instance",))
@@ -868,6 +872,7 @@ class InstanceStatusRecord(Record):
         if self.compat_ids is not None:
             _check_hex_list(self.compat_ids, ("compat_ids",), 32)
             _check_unique(self.compat_ids, ("compat_ids",), lambda c: c)
+        _check_bool(self.engine, ("engine",))
 
     def link_to(self, holder: str) -> Link | None:
         for link in self.links:
@@ -877,7 +882,7 @@ class InstanceStatusRecord(Record):
 
     def serves(self, compat_id: str) -> bool:
         """Whether placement may consider the instance for ``compat_id`` (DESIGN.md 3)."""
-        return self.compat_ids is None or compat_id in self.compat_ids
+        return self.engine and (not self.compat_ids or compat_id in self.compat_ids)
 
     @classmethod
     def _from_members(cls, obj: dict, limits: Limits) -> Self:
@@ -897,6 +902,7 @@ class InstanceStatusRecord(Record):
             compat_ids=_optional(
                 obj, "compat_ids", lambda v: _array(v, ("compat_ids",), limits.max_compat_ids)
             ),
+            engine=True if (engine := _optional(obj, "engine")) is None else engine,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -916,6 +922,8 @@ class InstanceStatusRecord(Record):
         }
         if self.compat_ids is not None:
             out["compat_ids"] = list(self.compat_ids)
+        if not self.engine:
+            out["engine"] = False
         return out
 
 

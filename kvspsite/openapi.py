@@ -250,7 +250,16 @@ SCHEMAS = {
             },
             "requested_state": {"type": "string", "enum": ["sleeping"], "nullable": True},
             "ttl_ms": _POSITIVE,
-            "compat_ids": {"type": "array", "items": _hex(32)},
+            "compat_ids": {
+                "type": "array",
+                "items": _hex(32),
+                "description": "the compat ids it serves; absent or empty: any",
+            },
+            "engine": {
+                "type": "boolean",
+                "description": "false for a node without an engine (a storage-only holder): "
+                "never a placement or resume candidate; absent: it runs one",
+            },
         },
         [
             "instance",
@@ -781,8 +790,9 @@ PARAMETERS = {
         _header(
             "Repr-Digest",
             _REPR_DIGEST,
-            "RFC 9530: the SHA-256 of the body; a PUT without it is refused (400)",
-            required=True,
+            "RFC 9530: the SHA-256 of the body, checked when present (422 when it differs); "
+            "without it the body is checked as a KV Block Container only",
+            required=False,
         ),
         # Required by this holder: without it the answer is 428 (a holder never replaces a
         # replica, so the client must say it expects none).

@@ -52,20 +52,37 @@ def _env_or_development_secret(name: str, octets: int) -> str:
     return value or _development_secret(name, octets)
 
 
-def _master_key() -> bytes:
-    raw = _env_or_development_secret("KVSP_MASTER_KEY", 32)
+_AES_KEY_OCTETS = (16, 24, 32)
+_MASTER_KEY_FORMS = "'hex:' or 'base64:' followed by the key, or the key in base64 or hex alone"
+
+
+def _decoded(raw: str, form: str) -> bytes | None:
     try:
-        key = base64.b64decode(raw, validate=True)
+        return base64.b64decode(raw, validate=True) if form == "base64" else bytes.fromhex(raw)
     except ValueError:
-        try:
-            key = bytes.fromhex(raw)
-        except ValueError:
-            key = b""
-    if len(key) not in (16, 24, 32):
-        raise ImproperlyConfigured(
-            "KVSP_MASTER_KEY must be an AES key of 16, 24 or 32 octets, in base64 or hex"
-        )
-    return key
+        return None
+
+
+def _master_key() -> bytes:
+    """The AES key from ``hex:...``, ``base64:...`` or an unprefixed value.
+
+    An unprefixed value is read as base64 wherever that gives a key, as it always was, so no
+    stored scope key becomes unreadable; 64 hex digits are also valid base64 (48 octets), so
+    it is read as hex only where base64 gives no key of a right length and hex does.
+    """
+    raw = _env_or_development_secret("KVSP_MASTER_KEY", 32)
+    form, sep, value = raw.partition(":")
+    if sep and form in ("hex", "base64"):
+        forms = (form,)
+    else:
+        forms, value = ("base64", "hex"), raw
+    for form in forms:
+        key = _decoded(value, form)
+        if key is not None and len(key) in _AES_KEY_OCTETS:
+            return key
+    raise ImproperlyConfigured(
+        f"KVSP_MASTER_KEY must be an AES key of 16, 24 or 32 octets: {_MASTER_KEY_FORMS}"
+    )
 
 
 def _int_setting(name: str, default: int) -> int:
@@ -311,6 +328,10 @@ if KVSP_ROLE == "node":
             _url_setting(_name, _value, ("http", "https"))
             if not _value.endswith("/"):
                 raise ImproperlyConfigured(f"{_name}={_value!r} must be a base URL ending with '/'")
+    # Without these a node would start and then refuse every store and report (6.3, 6.7).
+    for _name in ("KVSP_INSTANCE", "KVSP_PUBLIC_URL", "KVSP_CONTROL_URL", "KVSP_TOKEN"):
+        if not globals()[_name]:
+            raise ImproperlyConfigured(f"{_name} must be set when KVSP_ROLE is node")
 
 # --- Celery -----------------------------------------------------------------------------------
 

@@ -45,8 +45,8 @@ class Instance(models.Model):
     kv_utilization = models.FloatField(default=0.0)
     prefill_tokens_per_s = models.FloatField(null=True, blank=True)
     decode_tokens_per_s = models.FloatField(null=True, blank=True)
-    # As the status record lists them: null when it lists none (serves any), [] when it says
-    # it serves none (a storage-only holder).
+    # As the status record lists them: null when it lists none; none listed (null or []) and
+    # none registered, it serves any.
     reported_compat_ids = models.JSONField(null=True, blank=True, default=None)
     requested_state = models.CharField(max_length=16, blank=True, default="")
     # The latest accepted Instance Status Record as received: the cost model reads it whole.
@@ -67,11 +67,19 @@ class Instance(models.Model):
         return self.name
 
     def serves(self, compat_id_hex: str) -> bool:
-        """Registered and reported compat ids together; an instance that lists none at all
-        serves any (DESIGN.md section 3), one that reports an empty list serves none."""
-        if not self.compat_ids and self.reported_compat_ids is None:
-            return True
-        return compat_id_hex in set(self.compat_ids) | set(self.reported_compat_ids or ())
+        """Whether placement and resume may choose the instance for a request of this compat id
+        (DESIGN.md section 3): never a node without an engine, whatever its compat ids; else
+        one of its registered and reported compat ids together, or any when it lists none."""
+        if not self.runs_engine:
+            return False
+        listed = set(self.compat_ids) | set(self.reported_compat_ids or ())
+        return not listed or compat_id_hex in listed
+
+    @property
+    def runs_engine(self) -> bool:
+        """False when its latest status record says ``"engine": false`` (a storage-only
+        holder); an instance whose record omits the member runs an engine."""
+        return (self.last_status or {}).get("engine") is not False
 
     @property
     def links(self) -> list[dict]:

@@ -154,11 +154,17 @@ class NodeRuntime:
         }
 
     @property
-    def compat_ids(self) -> tuple[str, ...]:
-        """What the instance serves: its engine's Compatibility ID, or none at all for a
-        storage-only holder (an empty list, so that placement never picks it)."""
+    def runs_engine(self) -> bool:
+        """Whether the status record offers the instance to placement (``"engine"``, DESIGN.md
+        section 3): only once its engine is loaded. A storage-only holder never is; a node whose
+        engine still loads (or failed to) would refuse what it is sent (503) until then."""
+        return self._engine is not None
+
+    @property
+    def compat_ids(self) -> tuple[str, ...] | None:
+        """What the instance serves: its engine's Compatibility ID; none without an engine."""
         engine = self._engine
-        return (engine.compat_id,) if engine is not None else ()
+        return (engine.compat_id,) if engine is not None else None
 
     # -- start and stop ----------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ def status_record(runtime, state: str, running: int, queued: int) -> InstanceSta
         links=selectors.links(runtime.name),
         ttl_ms=settings.KVSP_STATUS_TTL_MS,
         compat_ids=runtime.compat_ids,
+        engine=runtime.runs_engine,
     )
 
 

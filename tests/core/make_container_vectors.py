@@ -207,6 +207,33 @@ def build_vectors() -> dict:
             "a K length of 2^64 - 1",
             container(1, 0, 1, good, lengths=[(2**64 - 1, 2)]),
         ),
+        # Codec raw's sections each hold Token Count x kv_heads x head_dim elements in layout
+        # kvsp-layout-1, of one geometry per container: these length tables no such layout has.
+        (
+            "raw-k-and-v-differ",
+            "codec raw: a layer's V section is shorter than its K section",
+            container(1, 0, 1, [(b"\x01\x02", b"\x03")]),
+        ),
+        (
+            "raw-layers-differ",
+            "codec raw: the second layer's sections are shorter than the first's",
+            container(1, 0, 1, good + [(b"\x05", b"\x06")]),
+        ),
+        (
+            "raw-not-a-multiple-of-the-token-count",
+            "codec raw: sections of 3 octets cannot hold 2 tokens",
+            container(1, 0, 2, [(b"\x01\x02\x03", b"\x04\x05\x06")]),
+        ),
+        (
+            "raw-no-tokens-in-octets",
+            "codec raw: token count 0 with sections that are not empty",
+            container(1, 0, 0, good),
+        ),
+        (
+            "raw-tokens-in-no-octets",
+            "codec raw: token count 2 with empty sections",
+            container(1, 0, 2, [(b"", b"")]),
+        ),
     ]
     return {
         "description": (
@@ -214,7 +241,10 @@ def build_vectors() -> dict:
             "layer's K and V octets and layer digest SHA-256(K || V), the replica digest "
             "(SHA-256 of the layer digests concatenated) and the Repr-Digest field of the whole "
             "container (RFC 9530); for codec raw, the element values in layout kvsp-layout-1 as "
-            "[token][kv_head][dimension]. Invalid vectors must be rejected."
+            "[token][kv_head][dimension]. Invalid vectors must be rejected, among them codec "
+            "raw containers whose length table no kvsp-layout-1 can have (a layer's K and V of "
+            "different lengths, layers of different lengths, sections that are not a non-zero "
+            "whole multiple of the token count, or not empty for a token count of 0)."
         ),
         "valid": valid,
         "invalid": [

@@ -201,6 +201,12 @@ def test_errors_name_the_command():
     assert line.startswith("kvsp block-keys: ")
 
 
+def test_a_raw_container_no_layout_1_can_have_gives_one_line():
+    data = container_bytes(0, 2, [(b"k" * 8, b"v" * 8), (b"k" * 8, b"v" * 6)])
+    line = one_line_error(kvsp("container", "inspect", "-", stdin=data))
+    assert line.startswith("kvsp container inspect: ") and "layer 1" in line
+
+
 @pytest.mark.parametrize(
     "mutate",
     [

@@ -33,6 +33,12 @@ def longhand(codec, first_layer, token_count, layers, **fields):
     return bytes(out)
 
 
+# Sections of any lengths, K and V apart, are the tests' way to see that every layer's own offsets
+# are used: this codec's sections are opaque octets, while codec raw's must have one length
+# (4.3, kvsp-layout-1; see the raw tests below).
+OPAQUE = 0x8001
+
+
 def sample_layers(count=3, size=11):
     return [(os.urandom(size + i), os.urandom(size + 2 * i)) for i in range(count)]
 
@@ -67,9 +73,9 @@ def test_encode_writes_the_layout_of_section_4_3():
 
 def test_decode_round_trip():
     layers = sample_layers()
-    data = kvb.encode(1, 4, 9, layers)
+    data = kvb.encode(OPAQUE, 4, 9, layers)
     decoded = kvb.decode(data)
-    assert (decoded.version, decoded.codec, decoded.first_layer) == (1, 1, 4)
+    assert (decoded.version, decoded.codec, decoded.first_layer) == (1, OPAQUE, 4)
     assert (decoded.layer_count, decoded.last_layer, decoded.token_count) == (3, 6, 9)
     assert decoded.header_size == kvb.header_size(3) == 20 + 3 * 16
     assert decoded.size == len(data)
@@ -81,7 +87,7 @@ def test_decode_round_trip():
 
 
 def test_decode_returns_views_of_the_input_not_copies():
-    data = bytearray(kvb.encode(1, 0, 1, sample_layers()))
+    data = bytearray(kvb.encode(OPAQUE, 0, 1, sample_layers()))
     decoded = kvb.decode(data)
     k, v = decoded.layer(1)
     assert isinstance(k, memoryview) and k.obj is data and v.obj is data
@@ -90,7 +96,7 @@ def test_decode_returns_views_of_the_input_not_copies():
 
 
 def test_decode_accepts_a_view_into_a_larger_buffer():
-    body = kvb.encode(1, 0, 1, sample_layers())
+    body = kvb.encode(OPAQUE, 0, 1, sample_layers())
     backing = b"xx" + body + b"yy"
     decoded = kvb.decode(memoryview(backing)[2:-2])
     assert decoded.layer(0)[0].obj is backing
@@ -99,12 +105,12 @@ def test_decode_accepts_a_view_into_a_larger_buffer():
 
 def test_encode_parts_are_the_callers_buffers():
     layers = [(bytearray(b"kkkk"), memoryview(b"vv")), (b"k2", array("H", [1, 2]))]
-    parts = kvb.encode_parts(1, 0, 1, layers)
+    parts = kvb.encode_parts(OPAQUE, 0, 1, layers)
     assert len(parts) == 1 + 2 * len(layers)
     assert parts[1].obj is layers[0][0]
     assert parts[3].obj is layers[1][0]
-    assert parts[0] == kvb.encode_header(1, 0, 1, [(4, 2), (2, 4)])
-    joined = kvb.encode(1, 0, 1, layers)
+    assert parts[0] == kvb.encode_header(OPAQUE, 0, 1, [(4, 2), (2, 4)])
+    joined = kvb.encode(OPAQUE, 0, 1, layers)
     assert joined == b"".join(parts)
     assert bytes(kvb.decode(joined).layer(1)[1]) == array("H", [1, 2]).tobytes()
 
@@ -113,10 +119,10 @@ def test_encode_parts_are_the_callers_buffers():
 def test_encode_with_digests_hashes_each_layer(threads):
     # Large enough that threads > 1 takes the thread pool.
     layers = [(os.urandom(300_000), os.urandom(300_000)) for _ in range(4)]
-    encoded = kvb.encode_with_digests(1, 2, 5, layers, threads=threads)
+    encoded = kvb.encode_with_digests(OPAQUE, 2, 5, layers, threads=threads)
     assert encoded.layer_digests == [sha256(k + v) for k, v in layers]
     assert encoded.size == len(encoded.tobytes()) == kvb.header_size(4) + 4 * 600_000
-    assert encoded.tobytes() == kvb.encode(1, 2, 5, layers)
+    assert encoded.tobytes() == kvb.encode(OPAQUE, 2, 5, layers)
     assert (
         encoded.digest == "sha-256:" + hashlib.sha256(b"".join(encoded.layer_digests)).hexdigest()
     )
@@ -140,7 +146,7 @@ def test_encode_rejects_values_that_do_not_fit(arguments):
 
 
 def test_last_possible_layer_index_encodes():
-    data = kvb.encode(1, 2**32 - 1, 0, [(b"k", b"v")])
+    data = kvb.encode(OPAQUE, 2**32 - 1, 0, [(b"k", b"v")])
     assert kvb.decode(data).last_layer == 2**32 - 1
 
 
@@ -164,14 +170,14 @@ def test_replica_digest_is_sha256_of_the_concatenated_layer_digests():
 
 def test_container_digests():
     layers = sample_layers(4)
-    decoded = kvb.decode(kvb.encode(1, 0, 3, layers))
+    decoded = kvb.decode(kvb.encode(OPAQUE, 0, 3, layers))
     assert decoded.layer_digests() == [sha256(k + v) for k, v in layers]
     assert decoded.layer_digests(threads=2) == decoded.layer_digests()
     assert decoded.digest() == kvb.replica_digest([sha256(k + v) for k, v in layers])
     summary = decoded.inspect()
     assert summary["layer_digests"] == [sha256(k + v).hex() for k, v in layers]
     assert summary["digest"] == decoded.digest()
-    assert (summary["version"], summary["codec"], summary["layer_count"]) == (1, 1, 4)
+    assert (summary["version"], summary["codec"], summary["layer_count"]) == (1, OPAQUE, 4)
 
 
 def test_format_and_parse_digest():
@@ -200,7 +206,7 @@ def test_parse_digest_rejects_other_forms(value):
 
 def test_verify_layer_digests():
     layers = sample_layers(4)
-    decoded = kvb.decode(kvb.encode(1, 2, 3, layers))
+    decoded = kvb.decode(kvb.encode(OPAQUE, 2, 3, layers))
     digests = [sha256(k + v) for k, v in layers]
     assert decoded.verify_layer_digests(digests) == digests
     assert decoded.verify_layer_digests([d.hex() for d in digests]) == digests
@@ -222,7 +228,7 @@ def test_verify_layer_digests():
 def test_verify_layer_digests_needs_a_list_that_covers_the_container(
     expected_count, expected_first_layer
 ):
-    decoded = kvb.decode(kvb.encode(1, 2, 3, sample_layers(4)))
+    decoded = kvb.decode(kvb.encode(OPAQUE, 2, 3, sample_layers(4)))
     expected = [sha256(bytes([i])) for i in range(expected_count)]
     call = lambda: decoded.verify_layer_digests(  # noqa: E731
         expected, expected_first_layer=expected_first_layer
@@ -254,45 +260,47 @@ INVALID = "kvsp-invalid-container"
     ("data", "stream_problem"),
     [
         pytest.param(b"", INVALID, id="empty"),
-        pytest.param(longhand(1, 0, 1, GOOD, magic=b"KVB2"), INVALID, id="bad magic"),
-        pytest.param(longhand(1, 0, 1, GOOD, magic=b"kvb1"), INVALID, id="lowercase magic"),
-        pytest.param(longhand(1, 0, 1, GOOD, version=0), INVALID, id="version 0"),
-        pytest.param(longhand(1, 0, 1, GOOD, version=2), INVALID, id="version 2"),
-        pytest.param(longhand(1, 0, 1, GOOD, flags=1), INVALID, id="flags 1"),
-        pytest.param(longhand(1, 0, 1, GOOD, flags=0x80), INVALID, id="flags 0x80"),
-        pytest.param(longhand(1, 0, 1, []), INVALID, id="no layers"),
-        pytest.param(longhand(1, 2**32 - 1, 1, GOOD), INVALID, id="layer index overflow"),
-        pytest.param(longhand(1, 0, 1, GOOD)[:19], INVALID, id="fixed header cut"),
-        pytest.param(longhand(1, 0, 1, GOOD)[:40], INVALID, id="length table cut"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD, magic=b"KVB2"), INVALID, id="bad magic"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD, magic=b"kvb1"), INVALID, id="lowercase magic"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD, version=0), INVALID, id="version 0"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD, version=2), INVALID, id="version 2"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD, flags=1), INVALID, id="flags 1"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD, flags=0x80), INVALID, id="flags 0x80"),
+        pytest.param(longhand(OPAQUE, 0, 1, []), INVALID, id="no layers"),
+        pytest.param(longhand(OPAQUE, 2**32 - 1, 1, GOOD), INVALID, id="layer index overflow"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD)[:19], INVALID, id="fixed header cut"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD)[:40], INVALID, id="length table cut"),
         pytest.param(
-            longhand(1, 0, 1, GOOD, layer_count=9), INVALID, id="more layers than the table holds"
+            longhand(OPAQUE, 0, 1, GOOD, layer_count=9),
+            INVALID,
+            id="more layers than the table holds",
         ),
-        pytest.param(longhand(1, 0, 1, GOOD)[:-1], INVALID, id="truncated data"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD)[:-1], INVALID, id="truncated data"),
         pytest.param(
-            longhand(1, 0, 1, GOOD)[: kvb.header_size(2) + 1], INVALID, id="truncated inside K"
+            longhand(OPAQUE, 0, 1, GOOD)[: kvb.header_size(2) + 1], INVALID, id="truncated inside K"
         ),
-        pytest.param(longhand(1, 0, 1, GOOD) + b"\x00", INVALID, id="trailing octet"),
-        pytest.param(longhand(1, 0, 1, GOOD) * 2, INVALID, id="trailing container"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD) + b"\x00", INVALID, id="trailing octet"),
+        pytest.param(longhand(OPAQUE, 0, 1, GOOD) * 2, INVALID, id="trailing container"),
         pytest.param(
-            longhand(1, 0, 1, GOOD, lengths=[(2**64 - 1, 3), (1, 0)]),
+            longhand(OPAQUE, 0, 1, GOOD, lengths=[(2**64 - 1, 3), (1, 0)]),
             "kvsp-payload-too-large",
             id="K length 2**64-1",
         ),
         pytest.param(
-            longhand(1, 0, 1, GOOD, lengths=[(2, 2**64 - 1), (1, 0)]),
+            longhand(OPAQUE, 0, 1, GOOD, lengths=[(2, 2**64 - 1), (1, 0)]),
             "kvsp-payload-too-large",
             id="V length 2**64-1",
         ),
         pytest.param(
-            longhand(1, 0, 1, GOOD, lengths=[(2**63, 2**63), (1, 0)]),
+            longhand(OPAQUE, 0, 1, GOOD, lengths=[(2**63, 2**63), (1, 0)]),
             "kvsp-payload-too-large",
             id="lengths sum past 2**64",
         ),
         pytest.param(
-            longhand(1, 0, 1, GOOD, lengths=[(1, 3), (1, 0)]), INVALID, id="lengths too short"
+            longhand(OPAQUE, 0, 1, GOOD, lengths=[(1, 3), (1, 0)]), INVALID, id="lengths too short"
         ),
         pytest.param(
-            longhand(1, 0, 1, GOOD, lengths=[(3, 3), (1, 0)]), INVALID, id="lengths too long"
+            longhand(OPAQUE, 0, 1, GOOD, lengths=[(3, 3), (1, 0)]), INVALID, id="lengths too long"
         ),
     ],
 )
@@ -311,19 +319,19 @@ def test_invalid_containers_raise_invalid_container(data, stream_problem):
 
 def test_layer_count_beyond_max_layers_is_rejected_before_the_table_is_read():
     # Claims 2**32 - 1 layers; only the fixed header is present.
-    data = longhand(1, 0, 1, [], layer_count=2**32 - 1)
+    data = longhand(OPAQUE, 0, 1, [], layer_count=2**32 - 1)
     with pytest.raises(ProtocolError) as caught:
         kvb.decode(data, max_layers=128)
     assert caught.value.problem == "kvsp-invalid-container"
     assert "128" in caught.value.detail
     assert problem_of(lambda: kvb.decode(data)) == "kvsp-invalid-container"
-    good = longhand(1, 0, 1, GOOD)
+    good = longhand(OPAQUE, 0, 1, GOOD)
     assert kvb.decode(good, max_layers=2).layer_count == 2
     assert problem_of(lambda: kvb.decode(good, max_layers=1)) == "kvsp-invalid-container"
 
 
 def test_max_size():
-    data = longhand(1, 0, 1, GOOD)
+    data = longhand(OPAQUE, 0, 1, GOOD)
     assert kvb.decode(data, max_size=len(data)).size == len(data)
     with pytest.raises(ProtocolError) as caught:
         kvb.decode(data, max_size=len(data) - 1)
@@ -337,7 +345,7 @@ def test_decode_rejects_non_buffers_as_a_caller_error():
 
 
 def test_layer_outside_the_container_is_unavailable():
-    decoded = kvb.decode(kvb.encode(1, 5, 1, GOOD))
+    decoded = kvb.decode(kvb.encode(OPAQUE, 5, 1, GOOD))
     for layer in (4, 7, -1):
         with pytest.raises(ProtocolError) as caught:
             decoded.layer(layer)
@@ -345,12 +353,60 @@ def test_layer_outside_the_container_is_unavailable():
         assert caught.value.status == 404
 
 
+# -- codec raw: what layout kvsp-layout-1 allows (4.3) ------------------------------------------
+
+
+@pytest.mark.parametrize(("tokens", "length"), [(1, 11), (4, 24), (3, 3), (0, 0)])
+def test_raw_containers_of_one_section_length_decode(tokens, length):
+    layers = [(os.urandom(length), os.urandom(length)) for _ in range(3)]
+    data = kvb.encode(kvb.RAW_CODEC, 2, tokens, layers)
+    assert kvb.decode(data).section_lengths(4) == (length, length)
+    reader = kvb.ContainerStreamReader(max_size=len(data))
+    assert len(reader.feed(data)) == 3 and reader.finish().token_count == tokens
+
+
+@pytest.mark.parametrize(
+    ("tokens", "lengths", "detail"),
+    [
+        pytest.param(
+            2,
+            [(8, 8), (8, 6)],
+            "layer 6 has a K section of 8 octets and a V section of 6",
+            id="K and V of a layer differ",
+        ),
+        pytest.param(
+            2,
+            [(8, 8), (6, 6)],
+            "layer 6 has sections of 6 octets, layer 5 of 8",
+            id="layers differ",
+        ),
+        pytest.param(4, [(6, 6), (6, 6)], "do not hold 4 tokens", id="not a multiple of tokens"),
+        pytest.param(0, [(2, 2)], "a container of 0 tokens has empty sections", id="no tokens"),
+        pytest.param(3, [(0, 0), (0, 0)], "do not hold 3 tokens", id="tokens in empty sections"),
+    ],
+)
+def test_raw_containers_that_no_layout_1_can_have_are_refused(tokens, lengths, detail):
+    layers = [(os.urandom(k), os.urandom(v)) for k, v in lengths]
+    data = kvb.encode(kvb.RAW_CODEC, 5, tokens, layers)
+    with pytest.raises(ProtocolError) as caught:
+        kvb.decode(data)
+    assert caught.value.problem == INVALID and detail in caught.value.detail
+    # A stream reader refuses it as soon as the length table is in, before the data's buffer
+    # is allocated.
+    reader = kvb.ContainerStreamReader(max_size=len(data))
+    with pytest.raises(ProtocolError) as streamed:
+        reader.feed(data[: kvb.header_size(len(layers))])
+    assert (streamed.value.problem, streamed.value.detail) == (INVALID, caught.value.detail)
+    # The same sections are fine in a codec whose sections are opaque.
+    assert kvb.decode(kvb.encode(OPAQUE, 5, tokens, layers)).layer_count == len(layers)
+
+
 # -- slicing -----------------------------------------------------------------------------------
 
 
 def test_slice_is_a_fresh_header_and_one_view_of_the_data():
     layers = sample_layers(6)
-    data = kvb.encode(1, 10, 7, layers)
+    data = kvb.encode(OPAQUE, 10, 7, layers)
     decoded = kvb.decode(data)
     header, view = kvb.slice_layers(decoded, 12, 14)
     assert isinstance(header, bytes) and len(header) == kvb.header_size(3)
@@ -362,7 +418,7 @@ def test_slice_is_a_fresh_header_and_one_view_of_the_data():
     for layer in range(12, 15):
         assert [bytes(s) for s in sliced.layer(layer)] == [bytes(s) for s in decoded.layer(layer)]
     assert sliced.layer_digests() == decoded.layer_digests()[2:5]
-    assert header + bytes(view) == kvb.encode(1, 12, 7, layers[2:5])
+    assert header + bytes(view) == kvb.encode(OPAQUE, 12, 7, layers[2:5])
 
 
 def test_slice_of_every_layer_reproduces_the_container():
@@ -373,14 +429,14 @@ def test_slice_of_every_layer_reproduces_the_container():
 
 def test_single_layer_slice():
     layers = sample_layers(3)
-    decoded = kvb.decode(kvb.encode(1, 0, 2, layers))
+    decoded = kvb.decode(kvb.encode(OPAQUE, 0, 2, layers))
     parts = kvb.slice_layers(decoded, 1, 1)
-    assert b"".join(parts) == kvb.encode(1, 1, 2, layers[1:2])
+    assert b"".join(parts) == kvb.encode(OPAQUE, 1, 2, layers[1:2])
 
 
 @pytest.mark.parametrize(("first", "last"), [(4, 6), (5, 8), (8, 9), (0, 100), (-1, 5)])
 def test_slice_outside_the_container_is_unavailable(first, last):
-    decoded = kvb.decode(kvb.encode(1, 5, 1, sample_layers(3)))
+    decoded = kvb.decode(kvb.encode(OPAQUE, 5, 1, sample_layers(3)))
     with pytest.raises(ProtocolError) as caught:
         kvb.slice_layers(decoded, first, last)
     assert caught.value.problem == "kvsp-layers-unavailable"
@@ -388,7 +444,7 @@ def test_slice_outside_the_container_is_unavailable(first, last):
 
 
 def test_slice_of_an_empty_range_is_a_malformed_request():
-    decoded = kvb.decode(kvb.encode(1, 5, 1, sample_layers(3)))
+    decoded = kvb.decode(kvb.encode(OPAQUE, 5, 1, sample_layers(3)))
     assert problem_of(lambda: kvb.slice_layers(decoded, 7, 6)) == "kvsp-malformed-request"
 
 
@@ -407,9 +463,17 @@ def layer_ends(data: bytes) -> list[int]:
 @st.composite
 def containers(draw):
     count = draw(st.integers(1, 6))
-    layers = [(draw(st.binary(max_size=40)), draw(st.binary(max_size=40))) for _ in range(count)]
     first = draw(st.integers(0, 100))
-    return kvb.encode(draw(st.integers(0, 3)), first, draw(st.integers(0, 9)), layers)
+    if draw(st.booleans()):
+        # Codec raw: one section length, a whole multiple of the token count.
+        tokens = draw(st.integers(0, 9))
+        length = tokens * draw(st.integers(1, 4))
+        section = st.binary(min_size=length, max_size=length)
+        layers = [(draw(section), draw(section)) for _ in range(count)]
+        return kvb.encode(kvb.RAW_CODEC, first, tokens, layers)
+    layers = [(draw(st.binary(max_size=40)), draw(st.binary(max_size=40))) for _ in range(count)]
+    codec = draw(st.sampled_from([0, 2, 3, OPAQUE]))
+    return kvb.encode(codec, first, draw(st.integers(0, 9)), layers)
 
 
 def chunkings(data_length: int):
@@ -449,7 +513,7 @@ def test_stream_reader_hands_out_each_layer_as_soon_as_it_is_complete(data, size
 
 def test_stream_reader_writes_into_one_buffer_of_the_total_size():
     layers = sample_layers(4, 1000)
-    data = kvb.encode(1, 0, 1, layers)
+    data = kvb.encode(OPAQUE, 0, 1, layers)
     reader = kvb.ContainerStreamReader(max_size=len(data))
     handed_out = []
     for start in range(0, len(data), 97):
@@ -463,7 +527,7 @@ def test_stream_reader_writes_into_one_buffer_of_the_total_size():
 
 def test_stream_reader_receives_into_its_own_buffer():
     layers = sample_layers(3, 500)
-    data = kvb.encode(1, 3, 2, layers)
+    data = kvb.encode(OPAQUE, 3, 2, layers)
     reader = kvb.ContainerStreamReader(max_size=len(data))
     position = 0
     handed_out = []
@@ -483,7 +547,7 @@ def test_stream_reader_receives_into_its_own_buffer():
 
 def test_stream_reader_checks_expected_digests_as_layers_complete():
     layers = sample_layers(3, 200)
-    data = kvb.encode(1, 1, 2, layers)
+    data = kvb.encode(OPAQUE, 1, 2, layers)
     record = [sha256(b"layer 0")] + [sha256(k + v).hex() for k, v in layers]
     reader = kvb.ContainerStreamReader(
         max_size=len(data), expected_layer_digests=record, expected_first_layer=0
@@ -510,7 +574,7 @@ def test_stream_reader_checks_expected_digests_as_layers_complete():
 
 
 def test_stream_reader_rejects_an_expected_list_that_does_not_cover_the_container():
-    data = kvb.encode(1, 1, 2, sample_layers(3))
+    data = kvb.encode(OPAQUE, 1, 2, sample_layers(3))
     reader = kvb.ContainerStreamReader(
         max_size=len(data), expected_layer_digests=[sha256(b"a")] * 2
     )
@@ -518,14 +582,14 @@ def test_stream_reader_rejects_an_expected_list_that_does_not_cover_the_containe
 
 
 def test_stream_reader_without_digests():
-    data = kvb.encode(1, 1, 2, sample_layers(3))
+    data = kvb.encode(OPAQUE, 1, 2, sample_layers(3))
     reader = kvb.ContainerStreamReader(max_size=len(data), compute_digests=False)
     assert [layer.digest for layer in reader.feed(data)] == [None, None, None]
     assert reader.finish().layer_digests() == kvb.decode(data).layer_digests()
 
 
 def test_stream_reader_rejects_trailing_octets():
-    data = kvb.encode(1, 0, 2, sample_layers(2))
+    data = kvb.encode(OPAQUE, 0, 2, sample_layers(2))
     reader = kvb.ContainerStreamReader(max_size=1 << 20)
     reader.feed(data)
     assert reader.finish().size == len(data)
@@ -534,14 +598,14 @@ def test_stream_reader_rejects_trailing_octets():
 
 @pytest.mark.parametrize("cut", [0, 5, 20, 40, -1])
 def test_stream_reader_finish_reports_truncation(cut):
-    data = kvb.encode(1, 0, 2, sample_layers(2))
+    data = kvb.encode(OPAQUE, 0, 2, sample_layers(2))
     reader = kvb.ContainerStreamReader(max_size=1 << 20)
     reader.feed(data[:cut])
     assert problem_of(reader.finish) == "kvsp-invalid-container"
 
 
 def test_stream_reader_limits():
-    data = kvb.encode(1, 0, 2, sample_layers(2))
+    data = kvb.encode(OPAQUE, 0, 2, sample_layers(2))
     reader = kvb.ContainerStreamReader(max_size=len(data) - 1)
     assert problem_of(lambda: reader.feed(data)) == "kvsp-payload-too-large"
     header_only = kvb.ContainerStreamReader(max_size=kvb.header_size(2) - 1)
@@ -553,7 +617,7 @@ def test_stream_reader_limits():
 
 
 def test_empty_sections_complete_with_the_header():
-    data = kvb.encode(1, 0, 0, [(b"", b"")] * 3)
+    data = kvb.encode(kvb.RAW_CODEC, 0, 0, [(b"", b"")] * 3)
     reader = kvb.ContainerStreamReader(max_size=len(data))
     assert reader.feed(data[:-1]) == []
     completed = reader.feed(data[-1:])

@@ -543,15 +543,28 @@ def test_status_record_accepts():
     InstanceStatusRecord.from_json(edited(status_doc(), ("kv_utilization",), 1))
 
 
-def test_status_record_compat_ids():
+def test_status_record_compat_ids_and_engine():
     plain = InstanceStatusRecord.from_json(status_doc())
     assert plain.compat_ids is None and plain.serves(COMPAT) and plain.serves(K1)
-    # A storage-only holder lists none: it serves nothing.
+    assert plain.engine and "engine" not in plain.to_json()
+    # An instance that lists no compat ids serves any.
     empty = InstanceStatusRecord.from_json(dict(status_doc(), compat_ids=[]))
-    assert not empty.serves(K1) and not empty.serves(COMPAT)
+    assert empty.serves(K1) and empty.serves(COMPAT)
     listed = InstanceStatusRecord.from_json(dict(status_doc(), compat_ids=[COMPAT]))
     assert listed.serves(COMPAT) and not listed.serves(K1)
     assert listed.to_json()["compat_ids"] == [COMPAT]
+    # A node without an engine serves nothing, whatever its compat ids; true is the default.
+    for compat_ids in (None, [], [COMPAT]):
+        doc = dict(status_doc(), engine=False)
+        if compat_ids is not None:
+            doc["compat_ids"] = compat_ids
+        holder = InstanceStatusRecord.from_json(doc)
+        assert not holder.engine and not holder.serves(COMPAT) and not holder.serves(K1)
+        assert holder.to_json() == doc
+    assert InstanceStatusRecord.from_json(dict(status_doc(), engine=True)).serves(COMPAT)
+    for bad in ("false", 0, [], {}):
+        with pytest.raises(ProtocolError, match="engine: must be true or false"):
+            InstanceStatusRecord.from_json(dict(status_doc(), engine=bad))
 
 
 # --- Session Checkpoint (4.4, 6.8) ------------------------------------------------------------
@@ -986,6 +999,7 @@ status_records = st.builds(
     ttl_ms=positive_ints,
     requested_state=st.sampled_from([None, "sleeping"]),
     compat_ids=st.none() | st.lists(hex32, max_size=4, unique=True).map(tuple),
+    engine=st.booleans(),
 )
 
 json_scalars = st.one_of(
@@ -1199,7 +1213,9 @@ def _member_names(cls) -> list[str]:
     names = set()
     for doc in [DOCS.get(cls, dict)()]:
         names |= set(doc)
-    return sorted(names | {"from", "to", "commit", "abort", "moqt_namespace", "compat_ids"})
+    return sorted(
+        names | {"from", "to", "commit", "abort", "moqt_namespace", "compat_ids", "engine"}
+    )
 
 
 @settings(max_examples=300)

@@ -217,17 +217,19 @@ def test_encode_tensors_needs_one_shape_and_dtype():
 
 
 def test_check_geometry_rejects_mismatched_containers():
-    data = kvb.encode(kvb.RAW_CODEC, 0, 2, [(bytes(16), bytes(16)), (bytes(16), bytes(14))])
+    # Uneven sections never decode (4.3); even ones may still be of another geometry.
+    data = kvb.encode(kvb.RAW_CODEC, 3, 2, [(bytes(16), bytes(16)), (bytes(16), bytes(16))])
     decoded = kvb.decode(data)
+    tensors.check_geometry(decoded, "float16", 1, 4)
     with pytest.raises(ProtocolError) as caught:
-        tensors.check_geometry(decoded, "float16", 1, 4)
+        tensors.check_geometry(decoded, "float16", 1, 2)
     assert caught.value.problem == "kvsp-invalid-container"
-    assert "layer 1" in caught.value.detail
+    assert "layer 3" in caught.value.detail
     with pytest.raises(ProtocolError) as caught:
-        tensors.container_tensors(decoded, "float16", 1, 4)
+        tensors.container_tensors(decoded, "bfloat16", 2, 4)
     assert caught.value.problem == "kvsp-invalid-container"
     with pytest.raises(ProtocolError) as caught:
-        tensors.layer_tensors(decoded, 0, "float16", 2, 4)
+        tensors.layer_tensors(decoded, 3, "float16", 2, 4)
     assert caught.value.problem == "kvsp-invalid-container"
 
 

@@ -6,6 +6,7 @@ import subprocess
 import httpx
 import pytest
 
+from tests.foundation.test_settings import NODE_SETTINGS
 from tests.support.processes import PYTHON, ROOT, Server, Worker, run_manage
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.mark.parametrize("role", ["control", "node"])
 def test_role_serves_health_and_schema(role, role_env, start_process):
-    server = start_process("server", f"{role}-server", role_env(KVSP_ROLE=role), workers=1)
+    settings = NODE_SETTINGS if role == "node" else {"KVSP_ROLE": role}
+    server = start_process("server", f"{role}-server", role_env(**settings), workers=1)
     health = httpx.get(f"{server.url}/healthz").json()
     assert health == {"status": "ok", "role": role}
     schema = httpx.get(f"{server.url}/kvsp/schema", params={"format": "json"})

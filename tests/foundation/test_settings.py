@@ -1,5 +1,6 @@
 """Settings come from the environment once; bad values stop start-up with one clear line."""
 
+import base64
 import json
 import os
 import subprocess
@@ -13,10 +14,18 @@ PRINT_SETTINGS = (
     "print(json.dumps({'engine': s.DATABASES['default']['ENGINE'], "
     "'name': str(s.DATABASES['default']['NAME']), 'broker': s.CELERY_BROKER_URL, "
     "'role': s.KVSP_ROLE, 'urlconf': s.ROOT_URLCONF, 'max_ttl': s.KVSP_MAX_TTL_MS, "
-    "'lease_octets': s.KVSP_LEASE_MAX_OCTETS, 'key_len': len(s.KVSP_MASTER_KEY)}))"
+    "'lease_octets': s.KVSP_LEASE_MAX_OCTETS, 'key': s.KVSP_MASTER_KEY.hex()}))"
 )
 
 CONFIG_NAMES = ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "KVSP_ROLE")
+# What every node needs: its name, its base URL, the control plane's and its token.
+NODE_SETTINGS = {
+    "KVSP_ROLE": "node",
+    "KVSP_INSTANCE": "ii1",
+    "KVSP_PUBLIC_URL": "http://ii1.internal:8001/kvsp/",
+    "KVSP_CONTROL_URL": "http://cp.internal:8000/kvsp/",
+    "KVSP_TOKEN": "kvsp_node-token",
+}
 
 
 def clean_env(tmp_path, **values):
@@ -59,7 +68,7 @@ def test_embedded_default_needs_no_server(tmp_path):
     assert values["broker"] == "filesystem://"
     assert values["role"] == "control"
     assert values["urlconf"] == "kvspsite.urls_control"
-    assert values["key_len"] == 32
+    assert len(bytes.fromhex(values["key"])) == 32
     # The generated development secret is reused, not regenerated, by the next process.
     first = (tmp_path / "secrets" / "KVSP_MASTER_KEY").read_text()
     settings_of(tmp_path)
@@ -71,7 +80,7 @@ def test_production_urls_and_numbers_are_read(tmp_path):
         tmp_path,
         DATABASE_URL="postgres://kvsp@db.internal:5433/kvsp",
         CELERY_BROKER_URL="redis://cache.internal:6379/2",
-        KVSP_ROLE="node",
+        **NODE_SETTINGS,
         KVSP_MAX_TTL_MS="1234",
         KVSP_LEASE_MAX_OCTETS="4096",
     )
@@ -83,6 +92,31 @@ def test_production_urls_and_numbers_are_read(tmp_path):
     assert values["lease_octets"] == 4096
 
 
+KEY = bytes(range(32))
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [
+        # 64 hex digits are valid base64 too, but of 48 octets: they are read as hex.
+        (KEY.hex(), KEY),
+        (KEY.hex().upper(), KEY),
+        (base64.b64encode(KEY).decode(), KEY),
+        ("hex:" + KEY.hex(), KEY),
+        ("base64:" + base64.b64encode(KEY).decode(), KEY),
+        ("hex:" + KEY[:16].hex(), KEY[:16]),
+        # 48 hex digits are base64 of 36 octets, no AES key: hex, a 24-octet key.
+        (KEY[:24].hex(), KEY[:24]),
+        # 32 hex digits are base64 of a 24-octet key, and were always read so: a scope key
+        # stored under that key stays readable. The prefix says which is meant.
+        (KEY[:16].hex(), base64.b64decode(KEY[:16].hex())),
+    ],
+    ids=["hex", "hex-upper", "base64", "hex:", "base64:", "hex:-16", "hex-24", "32-digits"],
+)
+def test_master_key_in_hex_or_base64(tmp_path, value, key):
+    assert settings_of(tmp_path, KVSP_MASTER_KEY=value)["key"] == key.hex()
+
+
 @pytest.mark.parametrize(
     ("values", "named"),
     [
@@ -92,8 +126,11 @@ def test_production_urls_and_numbers_are_read(tmp_path):
         ({"CELERY_BROKER_URL": "ftp://broker"}, "CELERY_BROKER_URL"),
         ({"KVSP_MAX_TTL_MS": "ten minutes"}, "KVSP_MAX_TTL_MS"),
         ({"KVSP_MASTER_KEY": "c2hvcnQ="}, "KVSP_MASTER_KEY"),
+        ({"KVSP_MASTER_KEY": "hex:" + "ab" * 31}, "KVSP_MASTER_KEY"),
+        ({"KVSP_MASTER_KEY": "hex:" + "zz" * 32}, "KVSP_MASTER_KEY"),
+        ({"KVSP_MASTER_KEY": "base64:" + "ab" * 32}, "KVSP_MASTER_KEY"),
         ({"KVSP_PRODUCTION": "1"}, "KVSP_PRODUCTION"),
-        ({"KVSP_ROLE": "node", "KVSP_CONTROL_URL": "cp.internal"}, "KVSP_CONTROL_URL"),
+        ({**NODE_SETTINGS, "KVSP_CONTROL_URL": "cp.internal"}, "KVSP_CONTROL_URL"),
     ],
 )
 def test_bad_configuration_stops_startup_in_one_line(tmp_path, values, named):

@@ -6,9 +6,8 @@ all on the test database and the Redis broker.
 - ``n1`` and ``n2`` are ordinary nodes; ``n2`` runs the reference engine.
 - ``n3`` has tiny tiers (two blocks of host, two of disk, half a block of device) and a lease
   quota of two blocks, for the eviction and quota tests.
-- The storage-only holders ``n1`` and ``n3`` report a prefill and decode rate of one token a
-  second, so that placement and failover (which price every instance that lists no compat id)
-  always prefer an instance with an engine.
+- The storage-only holders ``n1`` and ``n3`` report ``"engine": false``, so placement and
+  failover never choose them, and a prefill and decode rate of one token a second.
 
 The data the cluster needs (scopes, principals, instances, the descriptor) is committed
 outside any test transaction, so that every process sees it; the tests run in transactions of

@@ -230,9 +230,22 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
             "kvsp-digest-mismatch",
         ),
         (
-            api.put_block(cluster.compat, cluster.scope_a, key, data, **{"Repr-Digest": None}),
+            api.put_block(cluster.compat, cluster.scope_a, key, data, **{"Repr-Digest": "sha"}),
             400,
             "kvsp-malformed-request",
+        ),
+        # Without a Repr-Digest the body is still checked as a container.
+        (
+            api.put_block(cluster.compat, cluster.scope_a, key, truncated, **{"Repr-Digest": None}),
+            422,
+            "kvsp-invalid-container",
+        ),
+        (
+            api.put_block(
+                cluster.compat, cluster.scope_a, key, wrong_tokens, **{"Repr-Digest": None}
+            ),
+            422,
+            "kvsp-invalid-container",
         ),
         # Flipped in transit: the sender's Repr-Digest no longer matches.
         (
@@ -260,6 +273,42 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
         **{"Repr-Digest": repr_digest_header(sha256(data))},
     )
     assert stored.status_code == 201
+
+
+def test_a_put_without_repr_digest_is_stored_and_served_with_one(cluster):
+    """Spec 6.7 requires Repr-Digest of what holders return, not of what clients send."""
+    api = cluster.node("n1").api(cluster.tokens["reader_a"])
+    key, data = random_key(), container(9)
+    stored = api.put_block(cluster.compat, cluster.scope_a, key, data, **{"Repr-Digest": None})
+    assert stored.status_code == 201, stored.text
+    got = api.get_block(cluster.compat, cluster.scope_a, key)
+    assert got.content == data
+    assert got.headers["repr-digest"] == repr_digest_header(sha256(data))
+    again = api.put_block(cluster.compat, cluster.scope_a, key, data, **{"Repr-Digest": None})
+    assert again.status_code == 412
+
+
+def test_a_raw_container_no_layout_1_can_have_is_refused_under_any_compat(cluster):
+    """Of a compat with no registered descriptor, only the container's own rules apply (4.3)."""
+    from kvsp.container import RAW_CODEC, encode
+
+    n1 = cluster.node("n1")
+    api = n1.api(cluster.tokens["reader_a"])
+    files_before = n1.host_files()
+    compat = random_key()
+    cannot_be = [
+        encode(RAW_CODEC, 0, 2, [(bytes(8), bytes(6))]),
+        encode(RAW_CODEC, 0, 2, [(bytes(8), bytes(8)), (bytes(4), bytes(4))]),
+        encode(RAW_CODEC, 0, 4, [(bytes(6), bytes(6))]),
+        encode(RAW_CODEC, 0, 0, [(bytes(2), bytes(2))]),
+    ]
+    for data in cannot_be:
+        refused = api.put_block(compat, cluster.scope_a, random_key(), data)
+        assert refused.status_code == 422 and problem(refused) == "kvsp-invalid-container"
+        assert "codec raw" in refused.json()["detail"]
+    assert n1.host_files() == files_before
+    fits = encode(RAW_CODEC, 0, 2, [(bytes(8), bytes(8)), (bytes(8), bytes(8))])
+    assert api.put_block(compat, cluster.scope_a, random_key(), fits).status_code == 201
 
 
 def test_a_large_container_streams_both_ways(cluster):

@@ -10,7 +10,8 @@ from django.test import override_settings
 from django.utils import timezone
 
 from kvsp.records import Link
-from tests.foundation.test_settings import manage_check
+from tests.foundation.test_settings import NODE_SETTINGS, manage_check
+from tests.support.processes import Server
 from workers import selectors
 from workers.models import MeasuredLink
 
@@ -29,11 +30,37 @@ A, B = "http://a.test/kvsp/", "http://b.test/kvsp/"
     ],
 )
 def test_bad_node_settings_stop_start_up_in_one_line(tmp_path, values, named):
-    result = manage_check(tmp_path, KVSP_ROLE="node", **values)
+    result = manage_check(tmp_path, **{**NODE_SETTINGS, **values})
+    assert_stopped_in_one_line(result, named)
+
+
+def assert_stopped_in_one_line(result, named: str) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+REQUIRED = ("KVSP_INSTANCE", "KVSP_PUBLIC_URL", "KVSP_CONTROL_URL", "KVSP_TOKEN")
+
+
+@pytest.mark.parametrize("missing", REQUIRED)
+def test_a_node_without_its_name_urls_or_token_stops_at_start_up(tmp_path, missing):
+    assert manage_check(tmp_path, **NODE_SETTINGS).returncode == 0
+    without = {name: value for name, value in NODE_SETTINGS.items() if name != missing}
+    assert_stopped_in_one_line(manage_check(tmp_path, **without), missing)
+    # Set but empty is missing too.
+    assert_stopped_in_one_line(manage_check(tmp_path, **{**NODE_SETTINGS, missing: ""}), missing)
+
+
+def test_a_node_server_without_its_public_url_never_serves(role_env, tmp_path):
+    """The HTTP process stops before it serves a request, instead of refusing every PUT."""
+    env = role_env(**{**NODE_SETTINGS, "KVSP_PUBLIC_URL": ""})
+    server = Server("node-without-url", env, tmp_path, workers=1)
+    with pytest.raises(RuntimeError, match="exited"):
+        server.start()
+    server.stop()
+    assert "KVSP_PUBLIC_URL must be set" in server.log()
 
 
 @pytest.mark.django_db

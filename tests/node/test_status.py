@@ -50,18 +50,28 @@ def test_every_node_reports_at_least_every_third_of_its_ttl(cluster):
         assert abs(status["epoch"] - time.time() * 1000) < 15 * 60 * 1000
         assert status["running"] >= 0 and status["queued"] >= 0
         assert 0 <= status["kv_utilization"] <= 1
-    # The node with an engine reports what it serves (once it has loaded) and its measured
-    # rates.
-    n2 = wait_until(
-        lambda: (
-            (s := instance(cluster.node("n2").name).last_status)["compat_ids"]
-            and s["decode_tokens_per_s"] != 1_000
-            and s
-        ),
-        "n2 reporting its engine and its measured rates",
-    )
-    assert n2["compat_ids"] == [cluster.compat]
-    assert n2["decode_tokens_per_s"] != 1_000 and n2["prefill_tokens_per_s"] != 10_000
+
+
+def test_the_engine_node_says_what_it_serves_and_the_holders_that_they_run_no_engine(cluster):
+    """Placement and resume may choose the node with an engine, never a storage-only holder
+    (DESIGN.md section 3)."""
+    # Until its engine has loaded the node reports none (it would refuse requests with 503),
+    # and the configured rates until the engine has measured its own.
+    name = cluster.node("n2").name
+
+    def measured() -> bool:
+        row = instance(name)
+        return row.runs_engine and row.last_status["decode_tokens_per_s"] != 1_000
+
+    wait_until(measured, "n2's engine loaded and measured", timeout=90)
+    n2 = instance(name)
+    assert n2.last_status["compat_ids"] == [cluster.compat]
+    assert n2.last_status["prefill_tokens_per_s"] != 10_000
+    assert "engine" not in n2.last_status and n2.serves(cluster.compat)
+    for key in ("n1", "n3"):
+        holder = instance(cluster.node(key).name)
+        assert holder.last_status["engine"] is False and "compat_ids" not in holder.last_status
+        assert not holder.serves(cluster.compat)
 
 
 def test_drain_sleep_and_wake_through_the_controller(cluster):

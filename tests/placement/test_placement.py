@@ -99,6 +99,34 @@ def test_an_instance_serves_only_its_compat_ids(cluster):
     assert body(cluster.place())["name"] == "this-model"
 
 
+def test_an_instance_that_lists_no_compat_ids_serves_any(cluster):
+    cluster.publish(4)
+    up("listed-none", scope=cluster.scope, links=[link(100_000)], compat_ids=[])
+    assert body(cluster.place())["name"] == "listed-none"
+
+
+def test_a_holder_without_an_engine_is_never_placed_whatever_its_compat_ids(cluster):
+    """It would be the cheapest by far: it holds every block and computes fast."""
+    for name, compat_ids in (("store", None), ("store-any", []), ("store-this", [cluster.compat])):
+        figures = {"compat_ids": compat_ids} if compat_ids is not None else {}
+        holder = up(name, scope=cluster.scope, engine=False, prefill_tokens_per_s=10**9, **figures)
+        cluster.publish(4, holder=f"http://{name}.test/kvsp/", caller=holder)
+    alone = cluster.place()
+    assert alone.status_code == 503 and problem_name(alone) == "kvsp-unavailable"
+    assert not Instance.objects.get(name="store").serves(cluster.compat)
+    up("engine", scope=cluster.scope, links=[])
+    answer = body(cluster.place())
+    assert answer["name"] == "engine" and set(by_name(answer)) == {"engine"}
+    # Asleep, it is never woken for a request either.
+    from placement.services import do_change_state
+
+    do_change_state("engine", "draining")
+    for name in ("store", "store-any", "store-this"):
+        Instance.objects.filter(name=name).update(state="sleeping")
+    asleep = cluster.place()
+    assert asleep.status_code == 503
+
+
 def test_partial_prefix(cluster):
     cluster.publish(2)
     up("fast", scope=cluster.scope, links=[link(100_000)])

@@ -34,8 +34,9 @@ _WELL_FORMED_DIGEST = re.compile(r"^sha-256=:[A-Za-z0-9+/]{43}=:$")
 @schemathesis.hook
 def map_case(context, case):
     """A well-formed Repr-Digest drawn for a block PUT becomes the digest of the drawn body, as
-    a real client sends it, so that stores succeed too; a missing or malformed one is left as
-    drawn (those refusals are what the negative cases test)."""
+    a real client sends it, so that stores succeed with it too; a missing or malformed one is
+    left as drawn (without one the body is checked as a container alone; a malformed one is
+    refused, which is what the negative cases test)."""
     headers = case.headers or {}
     digest = headers.get("Repr-Digest")
     if (

@@ -116,6 +116,33 @@ def test_a_refused_resume_moves_on_to_another_instance(cluster, worker):
     assert (row.instance.name, row.epoch, row.failovers) == ("c", 3, 2)
 
 
+def test_a_session_never_resumes_on_a_holder_without_an_engine(cluster, worker):
+    """The holder would be the cheapest by far: it holds every block of the session, is idle
+    and says it serves the session's compat id; but it has no engine to run the session."""
+    session = str(uuid.uuid4())
+    with StandinNode() as a, StandinNode() as holder, StandinNode() as c:
+        caller_a = up(a, "a", cluster.scope, ttl_ms=1000)
+        caller_holder = up(
+            holder,
+            "holder",
+            cluster.scope,
+            ttl_ms=60_000,
+            engine=False,
+            compat_ids=[cluster.compat],
+            prefill_tokens_per_s=10**9,
+        )
+        cluster.publish(4, holder=holder.url, caller=caller_holder)
+        up(c, "c", cluster.scope, ttl_ms=60_000, queued=2)
+        caller_a.put(f"/kvsp/sessions/{session}/checkpoint", checkpoint(cluster, session))
+        do_mark_expired(now=timezone.now() + timedelta(seconds=2))
+        (resume,) = c.wait_for("POST", f"/kvsp/sessions/{session}/resume")
+        wait_until(lambda: Session.objects.get().resume_sent_at is not None, "resume sent")
+        assert not holder.received("POST", f"/kvsp/sessions/{session}/resume")
+    assert resume["epoch"] == 2
+    row = Session.objects.get()
+    assert (row.instance.name, row.epoch, row.failovers) == ("c", 2, 1)
+
+
 def test_with_nowhere_to_go_the_session_waits_with_its_new_epoch(cluster, worker):
     session = str(uuid.uuid4())
     with StandinNode() as a:
