@@ -1,0 +1,244 @@
+"""vLLM engines on KVSP: a control plane and a node on loopback, and vLLM engines (vLLM's CPU
+build, in ``.venv-vllm``), each in a process of its own, driven by ``engine_process.py``.
+
+- ``recompute``: no connector, the answer of computing every token;
+- ``producer``: the connector on scope A; computes prompts and stores their blocks at the node;
+- ``consumer``: the connector on scope A, fresh: what it does not compute it loads from KVSP.
+
+The model is the reference model's architecture with head_dim 32 (the CPU attention backend
+takes 32 and more), built locally from seeded random weights; blocks are 32 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.processes import ROOT, Server, free_port
+
+VLLM_PYTHON = Path(os.environ.get("KVSP_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+ENGINE_MODULE = "tests.vllm.engine_process"
+REPLY = "kvsp-engine: "
+BLOCK_TOKENS = 32
+MAX_MODEL_LEN = 1024
+MODEL = "kvsp-vllm-test-llama"
+# head_dim 32: 128 hidden / 4 heads; 2 KV heads, 4 layers.
+MODEL_SHAPE = {"layers": 4, "hidden_size": 128, "heads": 4, "kv_heads": 2}
+ENGINE_START_S = 300
+
+
+class EngineProcess:
+    """A vLLM engine driven over its stdin and stdout; stderr goes to a log file."""
+
+    def __init__(self, name: str, config: dict, log_dir: Path):
+        self.name = name
+        self.config = config
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> EngineProcess:
+        if not VLLM_PYTHON.exists():
+            pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+        # The engine's own torch threads: one per engine, so that three share two cores fairly.
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(VLLM_PYTHON), "-m", ENGINE_MODULE, json.dumps(self.config)],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
+        return self
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY) :])
+        raise RuntimeError(f"engine {self.name} exited ({self.proc.wait()}):\n{self.log()}")
+
+    def wait_ready(self) -> None:
+        assert self._reply() == {"ready": True}
+
+    def ask(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict:
+        return self.ask(op="generate", prompt=prompt, max_tokens=max_tokens)
+
+    def drain(self) -> dict:
+        return self.ask(op="drain")["counts"]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+@dataclass
+class VllmCluster:
+    cp_url: str
+    node_url: str
+    node: Server
+    compat: str
+    scope_a: str
+    scope_b: str
+    scope_key_a: bytes
+    tokens: dict[str, str]
+    model_dir: Path
+    shm_dir: Path
+    disk_dir: Path
+    node_name: str
+
+    def api(self, base: str, who: str) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.tokens[who]}"}
+        return httpx.Client(base_url=base, headers=headers, timeout=30)
+
+    def connector(self, who: str = "engine_a") -> dict:
+        return {
+            "control_url": self.cp_url,
+            "token": self.tokens[who],
+            "scope_id": self.scope_a,
+            "holder_url": self.node_url,
+            "model": MODEL,
+        }
+
+    def block_files(self, block_key: str) -> list[Path]:
+        pattern = f"{self.compat}.{self.scope_a}.{block_key}.kvb"
+        return [
+            path
+            for root in (self.shm_dir, self.disk_dir)
+            for path in (root / self.node_name).glob(pattern)
+        ]
+
+
+@pytest.fixture(scope="package")
+def vllm_cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path_factory):
+    from django.core.management import call_command
+
+    from index.services import do_create_principal, do_create_scope, do_register_descriptor
+    from kvsp.compat import compat_id_hex
+    from placement.services import do_register_instance
+    from workers.engines.modeldir import create_reference_model, reference_descriptor
+
+    run = os.urandom(3).hex()
+    shm_dir = Path(tempfile.mkdtemp(prefix=f"kvsp-vllm-{run}-", dir="/dev/shm"))
+    disk_dir = tmp_path_factory.mktemp("disk")
+    model_dir = create_reference_model(
+        tmp_path_factory.mktemp("model"), max_positions=MAX_MODEL_LEN, **MODEL_SHAPE
+    )
+    descriptor = reference_descriptor(model_dir, block_tokens=BLOCK_TOKENS, model=MODEL)
+    node_name = f"vllm-node-{run}"
+    node_port = free_port()
+    node_url = f"http://127.0.0.1:{node_port}/kvsp/"
+    servers: list[Server] = []
+    try:
+        with django_db_blocker.unblock():
+            compat = compat_id_hex(descriptor)
+            do_register_descriptor(descriptor, compat)
+            scope_a = do_create_scope(f"vllm-a-{run}")
+            scope_b = do_create_scope(f"vllm-b-{run}")
+            a, b = bytes(scope_a.scope_id), bytes(scope_b.scope_id)
+            do_register_instance(node_name, node_url)
+            tokens = {
+                "controller": do_create_principal(f"pc-{run}", controller=True).token,
+                "node": do_create_principal(
+                    f"node-{run}", scope_ids=[a, b], holder_urls=[node_url], instance=node_name
+                ).token,
+                "engine_a": do_create_principal(f"vllm-engine-a-{run}", scope_ids=[a]).token,
+                "tenant_b": do_create_principal(f"tenant-b-{run}", scope_ids=[b]).token,
+            }
+        cp = Server(f"vllm-cp-{run}", role_env(KVSP_TOKEN=tokens["controller"]), log_dir)
+        node_env = role_env(
+            KVSP_ROLE="node",
+            KVSP_INSTANCE=node_name,
+            KVSP_PUBLIC_URL=node_url,
+            KVSP_CONTROL_URL=f"{cp.url}/kvsp/",
+            KVSP_TOKEN=tokens["node"],
+            KVSP_SHM_DIR=str(shm_dir),
+            KVSP_DISK_DIR=str(disk_dir),
+            KVSP_REPLICA_TTL_MS="600000",
+        )
+        node = Server(f"vllm-node-{run}", node_env, log_dir, port=node_port)
+        servers = [cp, node]
+        for server in servers:
+            server.start()
+        with httpx.Client(timeout=10) as client:
+            answer = client.get(
+                f"{cp.url}/kvsp/scopes/{scope_a.scope_id_hex}/key",
+                headers={"Authorization": f"Bearer {tokens['engine_a']}"},
+            )
+            answer.raise_for_status()
+        yield VllmCluster(
+            cp_url=f"{cp.url}/kvsp/",
+            node_url=node_url,
+            node=node,
+            compat=compat,
+            scope_a=scope_a.scope_id_hex,
+            scope_b=scope_b.scope_id_hex,
+            scope_key_a=bytes.fromhex(answer.json()["scope_key"]),
+            tokens=tokens,
+            model_dir=model_dir,
+            shm_dir=shm_dir,
+            disk_dir=disk_dir,
+            node_name=node_name,
+        )
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        with django_db_blocker.unblock():
+            call_command("flush", interactive=False, verbosity=0)
+
+
+@dataclass
+class Engines:
+    recompute: EngineProcess
+    producer: EngineProcess
+    consumer: EngineProcess
+
+
+@pytest.fixture(scope="package")
+def engines(vllm_cluster, log_dir):
+    base = {
+        "model_dir": str(vllm_cluster.model_dir),
+        "block_size": BLOCK_TOKENS,
+        "max_model_len": MAX_MODEL_LEN,
+    }
+    started = [
+        EngineProcess("vllm-recompute", {**base, "connector": None}, log_dir),
+        EngineProcess("vllm-producer", {**base, "connector": vllm_cluster.connector()}, log_dir),
+        EngineProcess("vllm-consumer", {**base, "connector": vllm_cluster.connector()}, log_dir),
+    ]
+    try:
+        for engine in started:
+            engine.start()
+        for engine in started:
+            engine.wait_ready()
+        yield Engines(*started)
+    finally:
+        for engine in started:
+            engine.stop()

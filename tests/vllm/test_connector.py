@@ -1,0 +1,85 @@
+"""KVSPConnector in vLLM's CPU build: prefixes load through KVSP and answer as computing them
+does; every failure to load means computing, never a wrong token or a stuck request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvsp.blockkeys import block_keys_hex
+from tests.vllm.conftest import BLOCK_TOKENS
+
+# The fixtures commit what every process needs outside any test transaction; marking the tests
+# is what makes pytest-django set up the test database at all.
+pytestmark = pytest.mark.django_db
+
+# float32 on both sides: the logprob of the first generated token may differ in the last bits
+# only (the loaded cache is the octets the producer computed, over other matmul shapes).
+LOGPROB_TOLERANCE = 1e-5
+BLOCK_GETS = (
+    "kvsp_http_requests_total",
+    (("endpoint", "block"), ("method", "GET"), ("status", "200")),
+)
+LOOKUP_MATCHED = ("kvsp_lookup_matched_blocks_total", (("source", "lookup"),))
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 320) for _ in range(count)]
+
+
+def scrape(client, base: str) -> dict:
+    found = {}
+    text = client.get(base.removesuffix("kvsp/") + "metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def counted(client, base: str, key: tuple) -> float:
+    return scrape(client, base).get(key, 0.0)
+
+
+def assert_same_answer(answer: dict, recomputed: dict) -> None:
+    assert answer["tokens"] == recomputed["tokens"]
+    assert abs(answer["logprobs"][0] - recomputed["logprobs"][0]) <= LOGPROB_TOLERANCE
+
+
+@pytest.fixture
+def control(vllm_cluster):
+    with vllm_cluster.api(vllm_cluster.cp_url, "engine_a") as client:
+        yield client
+
+
+def keys_a(vllm_cluster, prompt: list[int]) -> list[str]:
+    return block_keys_hex(
+        vllm_cluster.scope_key_a, bytes.fromhex(vllm_cluster.compat), prompt, BLOCK_TOKENS
+    )
+
+
+def test_a_fresh_engine_loads_a_shared_prefix_through_kvsp(vllm_cluster, engines, control):
+    prefix = tokens(1, 4 * BLOCK_TOKENS)
+    first, second = prefix + tokens(2, 20), prefix + tokens(3, 20)
+    engines.producer.generate(first)
+    produced = engines.producer.drain()
+    assert produced["stored"] == 4 and produced["store_failed"] == 0
+
+    # The node stored and published every block of the prefix: the IS lists it as the holder.
+    for key in keys_a(vllm_cluster, prefix):
+        listed = control.get(f"replicas/{vllm_cluster.compat}/{vllm_cluster.scope_a}/{key}")
+        assert listed.status_code == 200, listed.text
+        holders = {record["holder"] for record in listed.json()["replicas"]}
+        assert holders == {vllm_cluster.node_url}
+
+    gets = counted(control, vllm_cluster.node_url, BLOCK_GETS)
+    matched = counted(control, vllm_cluster.cp_url, LOOKUP_MATCHED)
+    answer = engines.consumer.generate(second)
+    assert answer["cached_tokens"] == 4 * BLOCK_TOKENS
+    assert answer["counts"]["loaded"] == 4 and answer["counts"]["load_failed"] == 0
+    assert counted(control, vllm_cluster.node_url, BLOCK_GETS) == gets + 4
+    assert counted(control, vllm_cluster.cp_url, LOOKUP_MATCHED) == matched + 4
+
+    assert_same_answer(answer, engines.recompute.generate(second))
