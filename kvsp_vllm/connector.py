@@ -174,6 +174,9 @@ class _RequestPlan:
     # Blocks below this index exist in KVSP or are being loaded: never stored again.
     stored: int
     local_tokens: int = 0
+    # One load per request: after a load that failed vLLM asks again, and computing is the
+    # answer then; offering the same blocks again could repeat the failure without end.
+    load_issued: bool = False
 
 
 class _SchedulerSide:
@@ -217,7 +220,7 @@ class _SchedulerSide:
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         plan = self._plan(request)
-        if plan is None or num_computed_tokens % self.block_tokens:
+        if plan is None or plan.load_issued or num_computed_tokens % self.block_tokens:
             return 0, False
         plan.local_tokens = num_computed_tokens
         hit = len(plan.matched) * self.block_tokens
@@ -246,6 +249,7 @@ class _SchedulerSide:
             )
         )
         plan.stored = max(plan.stored, first + count)
+        plan.load_issued = True
 
     def _computed_after_step(self, output: SchedulerOutput):
         for new in output.scheduled_new_reqs:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,15 @@ MODEL = "kvsp-vllm-test-llama"
 # head_dim 32: 128 hidden / 4 heads; 2 KV heads, 4 layers.
 MODEL_SHAPE = {"layers": 4, "hidden_size": 128, "heads": 4, "kv_heads": 2}
 ENGINE_START_S = 300
+# A request of this suite takes well under a second; an engine silent this long is stuck.
+REPLY_S = 120
+
+
+def vllm_python() -> Path:
+    """The interpreter of vLLM's environment; the tests fail (not skip) without it."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment")
+    return VLLM_PYTHON
 
 
 class EngineProcess:
@@ -46,14 +57,13 @@ class EngineProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> EngineProcess:
-        if not VLLM_PYTHON.exists():
-            pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` builds vLLM's environment")
+        python = vllm_python()
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
         # The engine's own torch threads: one per engine, so that three share two cores fairly.
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [str(VLLM_PYTHON), "-m", ENGINE_MODULE, json.dumps(self.config)],
+                [str(python), "-m", ENGINE_MODULE, json.dumps(self.config)],
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.PIPE,
@@ -62,16 +72,32 @@ class EngineProcess:
                 text=True,
                 start_new_session=True,
             )
+        self._replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read_replies, name=self.name, daemon=True).start()
         return self
 
-    def _reply(self) -> dict:
+    def _read_replies(self) -> None:
         for line in self.proc.stdout:
             if line.startswith(REPLY):
-                return json.loads(line[len(REPLY) :])
-        raise RuntimeError(f"engine {self.name} exited ({self.proc.wait()}):\n{self.log()}")
+                self._replies.put(json.loads(line[len(REPLY) :]))
+        self._replies.put(None)
+
+    def _reply(self, timeout: float = REPLY_S) -> dict:
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            raise RuntimeError(
+                f"engine {self.name} gave no answer in {timeout} s:\n{self.log()[-5000:]}"
+            ) from None
+        if reply is None:
+            raise RuntimeError(
+                f"engine {self.name} exited ({self.proc.wait()}):\n{self.log()[-5000:]}"
+            )
+        return reply
 
     def wait_ready(self) -> None:
-        assert self._reply() == {"ready": True}
+        assert self._reply(ENGINE_START_S) == {"ready": True}
 
     def ask(self, **command) -> dict:
         self.proc.stdin.write(json.dumps(command) + "\n")
@@ -94,6 +120,10 @@ class EngineProcess:
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 

@@ -3,12 +3,15 @@ does; every failure to load means computing, never a wrong token or a stuck requ
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsp.blockkeys import block_keys_hex
+from kvsp.container import store_headers
+from tests.node.support import container
 from tests.vllm.conftest import BLOCK_TOKENS
 
 # The fixtures commit what every process needs outside any test transaction; marking the tests
@@ -83,3 +86,69 @@ def test_a_fresh_engine_loads_a_shared_prefix_through_kvsp(vllm_cluster, engines
     assert counted(control, vllm_cluster.cp_url, LOOKUP_MATCHED) == matched + 4
 
     assert_same_answer(answer, engines.recompute.generate(second))
+
+
+def test_a_corrupted_block_is_detected_and_recomputed(vllm_cluster, engines, control):
+    prompt = tokens(4, 3 * BLOCK_TOKENS + 10)
+    engines.producer.generate(prompt)
+    assert engines.producer.drain()["store_failed"] == 0
+    # One flipped octet in the last layer of the middle block: its first layers arrive and
+    # match, the last one does not.
+    (path,) = vllm_cluster.block_files(keys_a(vllm_cluster, prompt)[1])
+    with path.open("r+b") as stream:
+        stream.seek(-1, 2)
+        last = stream.read(1)
+        stream.seek(-1, 2)
+        stream.write(bytes([last[0] ^ 0x01]))
+
+    before = engines.consumer.drain()
+    answer = engines.consumer.generate(prompt)
+    after = answer["counts"]
+    # Block 0 loaded; block 1 failed its layer digest, so it and block 2 were computed.
+    assert after["loaded"] - before["loaded"] == 1
+    assert after["load_failed"] - before["load_failed"] == 2
+    assert_same_answer(answer, engines.recompute.generate(prompt))
+
+
+def test_another_scopes_blocks_are_never_loaded(vllm_cluster, engines, control):
+    """Blocks of scope B stored under the very Block Keys scope A would use are not found by
+    scope A's lookup: the connector loads nothing and computes the prompt."""
+    prompt = tokens(5, 2 * BLOCK_TOKENS + 5)
+    keys = keys_a(vllm_cluster, prompt)
+    with vllm_cluster.api(vllm_cluster.node_url, "tenant_b") as tenant_b:
+        for index, key in enumerate(keys):
+            noise = container(index, layers=4, tokens=BLOCK_TOKENS, head_dim=32)
+            stored = tenant_b.put(
+                f"blocks/{vllm_cluster.compat}/{vllm_cluster.scope_b}/{key}",
+                content=noise,
+                headers=store_headers(hashlib.sha256(noise).digest()),
+            )
+            assert stored.status_code == 201, stored.text
+
+    gets = counted(control, vllm_cluster.node_url, BLOCK_GETS)
+    before = engines.consumer.drain()
+    answer = engines.consumer.generate(prompt)
+    assert answer["cached_tokens"] == 0
+    assert answer["counts"]["loaded"] == before["loaded"]
+    assert counted(control, vllm_cluster.node_url, BLOCK_GETS) == gets
+    assert_same_answer(answer, engines.recompute.generate(prompt))
+
+
+def test_the_node_down_means_recomputation(vllm_cluster, engines, control):
+    prompt = tokens(6, 2 * BLOCK_TOKENS + 7)
+    engines.producer.generate(prompt)
+    assert engines.producer.drain()["store_failed"] == 0
+    vllm_cluster.node.stop()
+    try:
+        before = engines.consumer.drain()
+        answer = engines.consumer.generate(prompt)
+        # The IS still lists the node's replicas; fetching them fails and vLLM computes.
+        assert answer["counts"]["load_failed"] - before["load_failed"] == 2
+        assert_same_answer(answer, engines.recompute.generate(prompt))
+        # Storing the blocks it computed fails too, quietly.
+        longer = prompt + tokens(7, BLOCK_TOKENS)
+        answer = engines.consumer.generate(longer)
+        assert engines.consumer.drain()["store_failed"] > before["store_failed"]
+        assert_same_answer(answer, engines.recompute.generate(longer))
+    finally:
+        vllm_cluster.node.start()
