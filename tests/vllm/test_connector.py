@@ -10,9 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsp.blockkeys import block_keys_hex
-from kvsp.container import store_headers
+from kvsp.container import decode, store_headers
+from kvsp.tensors import container_tensors
 from tests.node.support import container
-from tests.vllm.conftest import BLOCK_TOKENS
+from tests.vllm.conftest import BLOCK_TOKENS, MODEL
 
 # The fixtures commit what every process needs outside any test transaction; marking the tests
 # is what makes pytest-django set up the test database at all.
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.django_db
 # float32 on both sides: the logprob of the first generated token may differ in the last bits
 # only (the loaded cache is the octets the producer computed, over other matmul shapes).
 LOGPROB_TOLERANCE = 1e-5
+# Between engines: the reference engine (transformers, eager attention) and vLLM's CPU kernels
+# compute the same float32 arithmetic in other orders; measured here: K and V within 4.8e-7,
+# logprobs within 4.8e-7 (README, "vLLM").
+CROSS_TOLERANCE = 1e-5
 BLOCK_GETS = (
     "kvsp_http_requests_total",
     (("endpoint", "block"), ("method", "GET"), ("status", "200")),
@@ -132,6 +137,71 @@ def test_another_scopes_blocks_are_never_loaded(vllm_cluster, engines, control):
     assert answer["counts"]["loaded"] == before["loaded"]
     assert counted(control, vllm_cluster.node_url, BLOCK_GETS) == gets
     assert_same_answer(answer, engines.recompute.generate(prompt))
+
+
+def test_the_reference_engine_and_vllm_use_each_others_blocks(vllm_cluster, engines, control):
+    """One model directory, one block size: one Compatibility ID. The engines compute K and V
+    with other kernels, so their blocks agree to CROSS_TOLERANCE, not bit for bit; each engine
+    loading the other's blocks answers as computing does, to that tolerance."""
+    import torch
+
+    from workers.engines.reference import ReferenceEngine
+
+    reference = ReferenceEngine(
+        vllm_cluster.model_dir, block_tokens=BLOCK_TOKENS, device="cpu", model=MODEL
+    )
+    assert reference.compat_id == vllm_cluster.compat
+    assert engines.consumer.ask(op="compat")["compat_id"] == vllm_cluster.compat
+
+    # vLLM's blocks in the reference engine: the first test's prefix, stored by the producer.
+    prefix = tokens(1, 4 * BLOCK_TOKENS)
+    tail = tokens(2, 20)
+    blocks = []
+    for key in keys_a(vllm_cluster, prefix):
+        with vllm_cluster.api(vllm_cluster.node_url, "engine_a") as node:
+            answer = node.get(f"blocks/{vllm_cluster.compat}/{vllm_cluster.scope_a}/{key}")
+        assert answer.status_code == 200
+        blocks.append(answer.content)
+    computed = reference.prefill(prefix + tail)
+    own = reference.export_blocks(computed, 0, 4)
+    kv_difference = max(
+        (mine - theirs).abs().max().item()
+        for encoded, octets in zip(own, blocks, strict=True)
+        for mine_kv, their_kv in zip(
+            block_layers(encoded.tobytes()), block_layers(octets), strict=True
+        )
+        for mine, theirs in zip(mine_kv, their_kv, strict=True)
+    )
+    assert 0 < kv_difference <= CROSS_TOLERANCE
+    loaded = reference.import_blocks(blocks, compat_id=vllm_cluster.compat)
+    reference.extend(loaded, tail)
+    expected = torch.log_softmax(computed.logits, -1)
+    logprob_difference = (torch.log_softmax(loaded.logits, -1) - expected).abs().max().item()
+    assert logprob_difference <= CROSS_TOLERANCE
+    assert loaded.logits.argmax() == computed.logits.argmax()
+
+    # The reference engine's blocks in vLLM, stored at the node under scope A's keys.
+    prompt = tokens(8, 3 * BLOCK_TOKENS + 9)
+    exported = reference.export_blocks(reference.prefill(prompt), 0, 3)
+    for key, encoded in zip(keys_a(vllm_cluster, prompt), exported, strict=True):
+        octets = encoded.tobytes()
+        stored = control.put(
+            f"{vllm_cluster.node_url}blocks/{vllm_cluster.compat}/{vllm_cluster.scope_a}/{key}",
+            content=octets,
+            headers=store_headers(hashlib.sha256(octets).digest()),
+        )
+        assert stored.status_code == 201, stored.text
+    before = engines.consumer.drain()
+    answer = engines.consumer.generate(prompt)
+    assert answer["counts"]["loaded"] - before["loaded"] == 3
+    recomputed = engines.recompute.generate(prompt)
+    assert answer["tokens"] == recomputed["tokens"]
+    assert abs(answer["logprobs"][0] - recomputed["logprobs"][0]) <= CROSS_TOLERANCE
+
+
+def block_layers(octets: bytes) -> list:
+    """K and V of every layer of a block of the test model (2 KV heads of dimension 32)."""
+    return container_tensors(decode(octets), "float32", 2, 32)
 
 
 def test_the_node_down_means_recomputation(vllm_cluster, engines, control):
