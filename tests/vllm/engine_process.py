@@ -8,10 +8,12 @@ float32, without vLLM's own prefix cache, so every answer comes from KVSP or fro
 One JSON line on stdout when ready, then one per command read from stdin:
 
 - ``{"op": "generate", "prompt": [ids], "max_tokens": n}`` -> ``{"tokens", "logprobs",
-  "cached_tokens", "counts"}``: the greedy tokens, the logprob of each, the prompt tokens vLLM
-  did not compute, and the connector's counts after the request;
+  "cached_tokens", "counts", "elapsed_s"}``: the greedy tokens, the logprob of each, the prompt
+  tokens vLLM did not compute, the connector's counts after the request and its wall time;
 - ``{"op": "drain"}`` -> ``{"counts"}`` once every store submitted so far is done;
-- ``{"op": "compat"}`` -> ``{"compat_id", "descriptor"}``, as the connector computes them.
+- ``{"op": "compat"}`` -> ``{"compat_id", "descriptor"}``, as the connector computes them;
+- ``{"op": "probe_layout"}`` -> per dtype, ``{"isa", "k", "v"}``: the CPU kernels vLLM picks
+  and whether ``CpuLayout`` reads back what vLLM's own cache writer stored.
 
 Replies are the stdout lines that start with ``kvsp-engine: ``; the process exits at the end
 of its input, once the stores submitted are done.
@@ -25,12 +27,17 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
+import torch
 from vllm import LLM, SamplingParams
+from vllm import _custom_ops as ops
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from kvsp.compat import compat_id_hex
 from kvsp_vllm.connector import engine_descriptor
+from kvsp_vllm.layouts import CpuLayout, Geometry
 from kvsp_vllm.settings import ConnectorSettings
 
 REPLY = "kvsp-engine: "
@@ -40,6 +47,40 @@ def reply(obj: dict) -> None:
     # vLLM logs to stdout too; the prefix marks the lines meant for the test.
     sys.stdout.write(REPLY + json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+PROBE_GEOMETRY = Geometry(block_tokens=32, kv_heads=2, head_dim=64)
+PROBE_BLOCKS = 6
+
+
+def probe_layout(dtype: torch.dtype) -> dict:
+    """The instruction set vLLM picks for ``dtype``, and whether K and V read back through
+    ``CpuLayout`` exactly as vLLM's own ``cpu_attn_reshape_and_cache`` stored them at random
+    slots."""
+    n, h, d = PROBE_GEOMETRY.block_shape
+    isa = _get_attn_isa(dtype, n, d, "auto")
+    layout = CpuLayout(PROBE_GEOMETRY)
+    cache = torch.zeros(layout.cache_shape(PROBE_BLOCKS), dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    k = torch.randn(2 * n, h, d, generator=generator).to(dtype)
+    v = torch.randn(2 * n, h, d, generator=generator).to(dtype)
+    # Tokens 0..n-1 into block 4 and n..2n-1 into block 1, each block's offsets shuffled.
+    slots = torch.cat(
+        [
+            4 * n + torch.randperm(n, generator=generator),
+            1 * n + torch.randperm(n, generator=generator),
+        ]
+    )
+    key_cache, value_cache = cache.view(PROBE_BLOCKS, h, 2 * n, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, 1.0, 1.0, "auto")
+    results = {"isa": isa, "k": True, "v": True}
+    for block in (4, 1):
+        read_k, read_v = layout.read(cache, block)
+        mine = (slots // n) == block
+        order = slots[mine] % n
+        results["k"] &= bool(read_k[order].equal(k[mine]))
+        results["v"] &= bool(read_v[order].equal(v[mine]))
+    return results
 
 
 def counts() -> dict | None:
@@ -76,9 +117,11 @@ def main() -> None:
         command = json.loads(line)
         if command["op"] == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], logprobs=0)
+            started = time.perf_counter()
             (output,) = llm.generate(
                 [{"prompt_token_ids": command["prompt"]}], params, use_tqdm=False
             )
+            elapsed_s = time.perf_counter() - started
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             reply(
@@ -90,12 +133,20 @@ def main() -> None:
                     ],
                     "cached_tokens": output.num_cached_tokens,
                     "counts": counts(),
+                    "elapsed_s": elapsed_s,
                 }
             )
         elif command["op"] == "drain":
             if has_kv_transfer_group():
                 get_kv_transfer_group().drain_stores()
             reply({"counts": counts()})
+        elif command["op"] == "probe_layout":
+            dtypes = {
+                "float32": torch.float32,
+                "float16": torch.float16,
+                "bfloat16": torch.bfloat16,
+            }
+            reply({name: probe_layout(dtype) for name, dtype in dtypes.items()})
         elif command["op"] == "compat":
             settings = ConnectorSettings.from_extra_config(config["connector"])
             descriptor = engine_descriptor(llm.llm_engine.vllm_config, settings)

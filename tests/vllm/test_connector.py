@@ -68,6 +68,17 @@ def keys_a(vllm_cluster, prompt: list[int]) -> list[str]:
     )
 
 
+def test_the_cpu_layout_converted_to_is_the_one_vllm_writes(engines):
+    probed = engines.recompute.ask(op="probe_layout")
+    assert set(probed) == {"float32", "float16", "bfloat16"}
+    # float32 always runs the "vec" kernels; bfloat16 runs AMX's on CPUs that have it, whose
+    # pages the connector refuses to convert (kvsp_vllm.connector._check_cpu_isa).
+    assert probed["float32"]["isa"] == "vec"
+    for dtype, found in probed.items():
+        if found["isa"] == "vec":
+            assert found["k"] and found["v"], dtype
+
+
 def test_a_fresh_engine_loads_a_shared_prefix_through_kvsp(vllm_cluster, engines, control):
     prefix = tokens(1, 4 * BLOCK_TOKENS)
     first, second = prefix + tokens(2, 20), prefix + tokens(3, 20)

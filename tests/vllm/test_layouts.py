@@ -40,7 +40,7 @@ def test_a_block_written_reads_back_the_same_octets_and_touches_nothing_else(lay
 
 def test_the_cpu_page_holds_k_transposed_and_v_token_major():
     """What vLLM's cpu_attn_reshape_and_cache writes for the "vec" ISA (checked against vLLM
-    itself in test_vllm_layout_probe): in a (block, head) page, K as [head_dim, tokens], then
+    itself in test_connector): in a (block, head) page, K as [head_dim, tokens], then
     V as [tokens, head_dim]."""
     layout = CpuLayout(GEOMETRY)
     cache = torch.zeros(layout.cache_shape(BLOCKS))
