@@ -17,7 +17,7 @@ Each round uses a new prefix; the figure is the median over the rounds of the wa
 one-token request (its time to first token). The limit is the recomputed time measured in the
 same run: loading through KVSP must be quicker than computing. Both answers must be the same
 token. Also printed: the time the connector's own client takes to look the 64 blocks up and
-fetch and verify them, outside vLLM.
+fetch and verify them (as many at once as the connector does), outside vLLM.
 
     .venv/bin/python bench/bench_vllm.py [--rounds N]
 
@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 from bench.support import BenchCluster  # noqa: E402
 from kvsp.blockkeys import block_keys_hex  # noqa: E402
 from kvsp.compat import compat_id_hex  # noqa: E402
-from kvsp_vllm.client import KvspClient  # noqa: E402
+from kvsp_vllm.client import FETCHES_AT_ONCE, KvspClient  # noqa: E402
 from tests.support.processes import Server  # noqa: E402
 from tests.vllm.engines import EngineProcess  # noqa: E402
 from workers.engines.modeldir import create_reference_model, reference_descriptor  # noqa: E402
@@ -60,6 +61,12 @@ MAX_MODEL_LEN = 4096
 def tokens(seed: int, count: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 320) for _ in range(count)]
+
+
+def fetch(client: KvspClient, record) -> None:
+    client.fetch_block(
+        record, max_size=1 << 21, deadline=time.monotonic() + 30, on_layer=lambda layer: None
+    )
 
 
 def main() -> None:
@@ -118,13 +125,9 @@ def main() -> None:
 
             keys = block_keys_hex(scope_key, bytes.fromhex(compat), prefix, BLOCK_TOKENS)
             started = time.perf_counter()
-            for block in client.lookup(cluster.scope, compat, keys):
-                client.fetch_block(
-                    block.replicas[0],
-                    max_size=1 << 21,
-                    deadline=time.monotonic() + 30,
-                    on_layer=lambda layer: None,
-                )
+            records = [block.replicas[0] for block in client.lookup(cluster.scope, compat, keys)]
+            with ThreadPoolExecutor(FETCHES_AT_ONCE) as pool:
+                list(pool.map(fetch, [client] * len(records), records))
             fetched.append(time.perf_counter() - started)
         client.close()
 

@@ -27,6 +27,9 @@ from kvsp.reprdigest import ALGORITHM, ReprDigestHasher, parse_repr_digest, veri
 
 # Octets read from a socket at a time.
 _CHUNK = 1 << 20
+# Block GETs in flight at once, per engine: a holder answers each after a round trip and some
+# work of its own, which parallel requests overlap.
+FETCHES_AT_ONCE = 4
 
 
 class HolderError(Exception):

@@ -22,6 +22,7 @@ vLLM computes those tokens itself. A failure to store is logged and costs only a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from kvsp.container import Layer, header_size
 from kvsp.problems import ProtocolError
 from kvsp.records import ReplicaRecord
 from kvsp.tensors import encode_tensors, kv_dtype_of, section_size, tensor_from_section
-from kvsp_vllm.client import HolderError, KvspClient, MatchedBlock
+from kvsp_vllm.client import FETCHES_AT_ONCE, HolderError, KvspClient, MatchedBlock
 from kvsp_vllm.layouts import Geometry, PagedLayout, layout_for
 from kvsp_vllm.settings import ConnectorSettings
 
@@ -313,6 +314,9 @@ class _WorkerSide:
         self._loading: dict[str, Future] = {}
         self._failed_blocks: set[int] = set()
         self._load_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvsp-load")
+        self._fetch_pool = ThreadPoolExecutor(
+            max_workers=FETCHES_AT_ONCE, thread_name_prefix="kvsp-fetch"
+        )
         self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-store")
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -340,12 +344,20 @@ class _WorkerSide:
                 self._loading[spec.request_id] = future
 
     def _load(self, spec: LoadSpec, compat_id: str) -> set[int]:
-        """The ids of the blocks that did not load: the first failure and all after it."""
+        """The ids of the blocks that did not load: the first failure and all after it.
+
+        Blocks are fetched ``FETCHES_AT_ONCE`` at a time.
+        """
         deadline = time.monotonic() + self.settings.load_timeout_s
-        for index, block in enumerate(spec.blocks):
+        futures = [
+            self._fetch_pool.submit(self._load_block, block, deadline) for block in spec.blocks
+        ]
+        for index, future in enumerate(futures):
             try:
-                self._load_block(block, deadline)
+                future.result()
             except Exception as error:  # noqa: BLE001 - any failure means recompute, never a stuck request
+                for later in futures[index + 1 :]:
+                    later.cancel()
                 failed = {later.block_id for later in spec.blocks[index:]}
                 log.warning(
                     "KVSP: %d of %d blocks of request %s did not load and are recomputed: %s",
@@ -354,6 +366,11 @@ class _WorkerSide:
                     spec.request_id,
                     error,
                 )
+                # Fetches already running finish (or fail) before vLLM may reuse the blocks.
+                for later in futures[index + 1 :]:
+                    if not later.cancelled():
+                        with contextlib.suppress(Exception):
+                            later.result()
                 with self._lock:
                     self.counts.loaded += index
                     self.counts.load_failed += len(failed)
@@ -444,6 +461,7 @@ class _WorkerSide:
     def shutdown(self) -> None:
         self._store_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
+        self._fetch_pool.shutdown(wait=True)
         self.client.close()
 
 
