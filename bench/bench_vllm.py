@@ -4,8 +4,9 @@ prefix loaded through KVSP against the prefix recomputed.
 A control plane and a node on loopback (Postgres, no Celery), and three vLLM engines (vLLM's CPU
 build from ``.venv-vllm``, each in a process of its own, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 float32, blocks of 32 tokens, vLLM's own prefix cache off) on a Llama-architecture model built
-locally from seeded random weights: 8 layers, hidden size 512, 8 heads, 4 KV heads of dimension
-64 (16 KiB of KV per token, 512 KiB per block):
+locally from seeded random weights, head_dim 64: ``small`` (the default) has 8 layers, hidden
+size 512 and 4 KV heads (512 KiB a block), ``wide`` 12 layers, hidden size 768 and 4 KV heads
+(768 KiB a block):
 
 - a producer with ``KVSPConnector`` computes the prefix followed by one tail and stores the 64
   blocks at the node, which publishes them;
@@ -19,7 +20,7 @@ same run: loading through KVSP must be quicker than computing. Both answers must
 token. Also printed: the time the connector's own client takes to look the 64 blocks up and
 fetch and verify them (as many at once as the connector does), outside vLLM.
 
-    .venv/bin/python bench/bench_vllm.py [--rounds N]
+    .venv/bin/python bench/bench_vllm.py [--rounds N] [--model small|wide]
 
 Needs Postgres on 127.0.0.1 and ``make vllm-env``.
 """
@@ -51,7 +52,10 @@ from workers.engines.modeldir import create_reference_model, reference_descripto
 
 DB = "kvsp_bench_vllm"
 MODEL = "kvsp-bench-vllm-llama"
-MODEL_SHAPE = {"layers": 8, "hidden_size": 512, "heads": 8, "kv_heads": 4}
+MODEL_SHAPES = {
+    "small": {"layers": 8, "hidden_size": 512, "heads": 8, "kv_heads": 4},
+    "wide": {"layers": 12, "hidden_size": 768, "heads": 12, "kv_heads": 4},
+}
 BLOCK_TOKENS = 32
 PREFIX_TOKENS = 2048
 TAIL_TOKENS = 37
@@ -65,19 +69,22 @@ def tokens(seed: int, count: int) -> list[int]:
 
 def fetch(client: KvspClient, record) -> None:
     client.fetch_block(
-        record, max_size=1 << 21, deadline=time.monotonic() + 30, on_layer=lambda layer: None
+        record, max_size=1 << 22, deadline=time.monotonic() + 30, on_layer=lambda layer: None
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="small")
     options = parser.parse_args()
+    shape = MODEL_SHAPES[options.model]
+    block_octets = (
+        2 * shape["layers"] * BLOCK_TOKENS * shape["kv_heads"] * 64 * 4  # head_dim 64, float32
+    )
 
     cluster = BenchCluster("vllm", DB, ("n1",))
-    model_dir = create_reference_model(
-        cluster.work / "model", max_positions=MAX_MODEL_LEN, **MODEL_SHAPE
-    )
+    model_dir = create_reference_model(cluster.work / "model", max_positions=MAX_MODEL_LEN, **shape)
     descriptor = reference_descriptor(model_dir, block_tokens=BLOCK_TOKENS, model=MODEL)
     compat = compat_id_hex(descriptor)
     logs = cluster.work / "logs"
@@ -134,8 +141,9 @@ def main() -> None:
         via, whole = statistics.median(loaded), statistics.median(computed)
         blocks = PREFIX_TOKENS // BLOCK_TOKENS
         print(
-            f"vLLM CPU, {PREFIX_TOKENS}-token shared prefix ({blocks} blocks of 512 KiB) "
-            f"+ {TAIL_TOKENS}-token tail, median of {options.rounds} rounds"
+            f"vLLM CPU, model {options.model} {shape}, {PREFIX_TOKENS}-token shared prefix "
+            f"({blocks} blocks of {block_octets >> 10} KiB) + {TAIL_TOKENS}-token tail, "
+            f"median of {options.rounds} rounds"
         )
         print(f"  TTFT, prefix loaded through KVSP: {via * 1e3:8.1f} ms")
         print(f"  TTFT, prefix recomputed:          {whole * 1e3:8.1f} ms")
