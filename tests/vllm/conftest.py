@@ -31,6 +31,13 @@ MODEL_SHAPE = {"layers": 4, "hidden_size": 128, "heads": 4, "kv_heads": 2}
 
 
 @dataclass
+class Engines:
+    recompute: EngineProcess
+    producer: EngineProcess
+    consumer: EngineProcess
+
+
+@dataclass
 class VllmCluster:
     cp_url: str
     node_url: str
@@ -44,6 +51,20 @@ class VllmCluster:
     shm_dir: Path
     disk_dir: Path
     node_name: str
+    started: Engines | None = None
+
+    def engines(self, log_dir: Path) -> list[EngineProcess]:
+        """The recompute, producer and consumer engines, not yet started."""
+        base = {
+            "model_dir": str(self.model_dir),
+            "block_size": BLOCK_TOKENS,
+            "max_model_len": MAX_MODEL_LEN,
+        }
+        return [
+            EngineProcess("vllm-recompute", {**base, "connector": None}, log_dir),
+            EngineProcess("vllm-producer", {**base, "connector": self.connector()}, log_dir),
+            EngineProcess("vllm-consumer", {**base, "connector": self.connector()}, log_dir),
+        ]
 
     def api(self, base: str, who: str) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.tokens[who]}"}
@@ -87,11 +108,13 @@ def vllm_cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path
     node_port = free_port()
     node_url = f"http://127.0.0.1:{node_port}/kvsp/"
     servers: list[Server] = []
+    engines: list[EngineProcess] = []
+    scope_key_a = os.urandom(32)
     try:
         with django_db_blocker.unblock():
             compat = compat_id_hex(descriptor)
             do_register_descriptor(descriptor, compat)
-            scope_a = do_create_scope(f"vllm-a-{run}")
+            scope_a = do_create_scope(f"vllm-a-{run}", scope_key=scope_key_a)
             scope_b = do_create_scope(f"vllm-b-{run}")
             a, b = bytes(scope_a.scope_id), bytes(scope_b.scope_id)
             do_register_instance(node_name, node_url)
@@ -115,30 +138,35 @@ def vllm_cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path
             KVSP_REPLICA_TTL_MS="600000",
         )
         node = Server(f"vllm-node-{run}", node_env, log_dir, port=node_port)
-        servers = [cp, node]
-        for server in servers:
-            server.start()
-        with httpx.Client(timeout=10) as client:
-            answer = client.get(
-                f"{cp.url}/kvsp/scopes/{scope_a.scope_id_hex}/key",
-                headers={"Authorization": f"Bearer {tokens['engine_a']}"},
-            )
-            answer.raise_for_status()
-        yield VllmCluster(
+        cluster = VllmCluster(
             cp_url=f"{cp.url}/kvsp/",
             node_url=node_url,
             node=node,
             compat=compat,
             scope_a=scope_a.scope_id_hex,
             scope_b=scope_b.scope_id_hex,
-            scope_key_a=bytes.fromhex(answer.json()["scope_key"]),
+            scope_key_a=scope_key_a,
             tokens=tokens,
             model_dir=model_dir,
             shm_dir=shm_dir,
             disk_dir=disk_dir,
             node_name=node_name,
         )
+        # The engines need the roles only for their first request: they import vLLM (the
+        # longest part of starting) while the servers start.
+        engines = cluster.engines(log_dir)
+        for engine in engines:
+            engine.start()
+        servers = [cp, node]
+        for server in servers:
+            server.start()
+        for engine in engines:
+            engine.wait_ready()
+        cluster.started = Engines(*engines)
+        yield cluster
     finally:
+        for engine in engines:
+            engine.stop()
         for server in reversed(servers):
             server.stop()
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -146,31 +174,6 @@ def vllm_cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path
             call_command("flush", interactive=False, verbosity=0)
 
 
-@dataclass
-class Engines:
-    recompute: EngineProcess
-    producer: EngineProcess
-    consumer: EngineProcess
-
-
 @pytest.fixture(scope="package")
-def engines(vllm_cluster, log_dir):
-    base = {
-        "model_dir": str(vllm_cluster.model_dir),
-        "block_size": BLOCK_TOKENS,
-        "max_model_len": MAX_MODEL_LEN,
-    }
-    started = [
-        EngineProcess("vllm-recompute", {**base, "connector": None}, log_dir),
-        EngineProcess("vllm-producer", {**base, "connector": vllm_cluster.connector()}, log_dir),
-        EngineProcess("vllm-consumer", {**base, "connector": vllm_cluster.connector()}, log_dir),
-    ]
-    try:
-        for engine in started:
-            engine.start()
-        for engine in started:
-            engine.wait_ready()
-        yield Engines(*started)
-    finally:
-        for engine in started:
-            engine.stop()
+def engines(vllm_cluster) -> Engines:
+    return vllm_cluster.started
