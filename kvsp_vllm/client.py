@@ -32,8 +32,9 @@ _CHUNK = 1 << 20
 FETCHES_AT_ONCE = 4
 
 
-class HolderError(Exception):
-    """A block could not be loaded from a holder: a miss, a refusal, bad octets, a timeout."""
+class PeerError(Exception):
+    """The control plane or a holder did not serve what was asked: a miss, a refusal, octets
+    that fail a check, a peer down, a timeout."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +77,15 @@ class KvspClient:
         try:
             response = self._http.request(method, url, headers=self._control_headers(), **kwargs)
         except httpx.HTTPError as error:
-            raise HolderError(f"{what}: {method} {url} failed: {error!r}") from None
+            raise PeerError(f"{what}: {method} {url} failed: {error!r}") from None
         if response.status_code != 200:
-            raise HolderError(f"{what}: {method} {url} answered {response.status_code}")
+            raise PeerError(f"{what}: {method} {url} answered {response.status_code}")
         try:
             body = response.json()
         except ValueError:
-            raise HolderError(f"{what}: {method} {url} answered no JSON") from None
+            raise PeerError(f"{what}: {method} {url} answered no JSON") from None
         if not isinstance(body, dict):
-            raise HolderError(f"{what}: {method} {url} answered {type(body).__name__}")
+            raise PeerError(f"{what}: {method} {url} answered {type(body).__name__}")
         return body
 
     def scope_key(self, scope_id: str) -> bytes:
@@ -93,7 +94,7 @@ class KvspClient:
         try:
             return bytes.fromhex(body["scope_key"])
         except (KeyError, TypeError, ValueError):
-            raise HolderError("the scope key answer has no hex scope_key") from None
+            raise PeerError("the scope key answer has no hex scope_key") from None
 
     def lookup(self, scope_id: str, compat_id: str, block_keys: list[str]) -> list[MatchedBlock]:
         """The matched prefix of ``block_keys`` at the IS (6.2), with each block's replicas.
@@ -107,7 +108,7 @@ class KvspClient:
         body = self._json("POST", "lookup", "the lookup", json=request.to_json())
         blocks = body.get("blocks")
         if not isinstance(blocks, list):
-            raise HolderError("the lookup answer has no list of blocks")
+            raise PeerError("the lookup answer has no list of blocks")
         matched: list[MatchedBlock] = []
         for expected_key, block in zip(block_keys, blocks, strict=False):
             if not isinstance(block, dict) or block.get("block_key") != expected_key:
@@ -141,7 +142,7 @@ class KvspClient:
         soon as it has arrived and matched its layer digest in the record (6.7).
 
         The whole representation is then checked against Repr-Digest and the layer digests
-        against the replica digest; any failure raises HolderError, and the caller must treat
+        against the replica digest; any failure raises PeerError, and the caller must treat
         the layers it was handed as unusable. ``deadline`` is a ``time.monotonic()`` value.
         """
         url = f"{record.holder}blocks/{record.compat_id}/{record.scope_id}/{record.block_key}"
@@ -149,14 +150,14 @@ class KvspClient:
         try:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise HolderError(f"{what}: the load deadline passed")
+                raise PeerError(f"{what}: the load deadline passed")
             headers = self._holder_headers(record.holder, {"Accept": MEDIA_TYPE})
             with self._http.stream("GET", url, headers=headers, timeout=remaining) as response:
                 if response.status_code != 200:
-                    raise HolderError(f"{what} answered {response.status_code}")
+                    raise PeerError(f"{what} answered {response.status_code}")
                 field = response.headers.get("Repr-Digest")
                 if field is None:
-                    raise HolderError(f"{what}: no Repr-Digest field")
+                    raise PeerError(f"{what}: no Repr-Digest field")
                 reader = ContainerStreamReader(
                     max_size=max_size,
                     max_layers=len(record.layer_digests),
@@ -169,23 +170,23 @@ class KvspClient:
                     for layer in reader.feed(chunk):
                         on_layer(layer)
                     if time.monotonic() >= deadline:
-                        raise HolderError(f"{what}: the load deadline passed")
+                        raise PeerError(f"{what}: the load deadline passed")
                 container = reader.finish()
             if ALGORITHM not in parse_repr_digest(field, problem="kvsp-upstream-error"):
-                raise HolderError(f"{what}: Repr-Digest has no sha-256")
+                raise PeerError(f"{what}: Repr-Digest has no sha-256")
             verify_repr_digest(field, sha256=hasher.digest(), problem="kvsp-upstream-error")
             if container.codec != record.codec:
-                raise HolderError(f"{what}: codec {container.codec}, not {record.codec}")
+                raise PeerError(f"{what}: codec {container.codec}, not {record.codec}")
             if container.layer_count != len(record.layer_digests):
-                raise HolderError(
+                raise PeerError(
                     f"{what}: {container.layer_count} layers, the record lists "
                     f"{len(record.layer_digests)}"
                 )
             verify_replica_digest(reader.layer_digests, record.digest)
         except ProtocolError as error:
-            raise HolderError(f"{what}: {error.detail}") from None
+            raise PeerError(f"{what}: {error.detail}") from None
         except httpx.HTTPError as error:
-            raise HolderError(f"{what} failed: {error!r}") from None
+            raise PeerError(f"{what} failed: {error!r}") from None
 
     def store_block(
         self, holder: str, compat_id: str, scope_id: str, block_key: str, encoded: EncodedContainer
@@ -200,9 +201,9 @@ class KvspClient:
         try:
             response = self._http.put(url, content=encoded.tobytes(), headers=headers)
         except httpx.HTTPError as error:
-            raise HolderError(f"PUT {url} failed: {error!r}") from None
+            raise PeerError(f"PUT {url} failed: {error!r}") from None
         if response.status_code == 412:
             return False
         if response.status_code != 201:
-            raise HolderError(f"PUT {url} answered {response.status_code}: {response.text[:200]}")
+            raise PeerError(f"PUT {url} answered {response.status_code}: {response.text[:200]}")
         return True

@@ -45,7 +45,7 @@ from kvsp.container import Layer, header_size
 from kvsp.problems import ProtocolError
 from kvsp.records import ReplicaRecord
 from kvsp.tensors import encode_tensors, kv_dtype_of, section_size, tensor_from_section
-from kvsp_vllm.client import FETCHES_AT_ONCE, HolderError, KvspClient, MatchedBlock
+from kvsp_vllm.client import FETCHES_AT_ONCE, KvspClient, MatchedBlock, PeerError
 from kvsp_vllm.layouts import Geometry, PagedLayout, layout_for
 from kvsp_vllm.settings import ConnectorSettings
 
@@ -203,8 +203,10 @@ class _SchedulerSide:
             return plan
         try:
             chain = BlockKeyChain(self._key(), bytes.fromhex(self.compat_id), self.block_tokens)
-        except (HolderError, ProtocolError) as error:
-            log.warning("KVSP: no scope key, request %s is served alone: %s", request, error)
+        except (PeerError, ProtocolError) as error:
+            log.warning(
+                "KVSP: no scope key, request %s is computed whole: %s", request.request_id, error
+            )
             return None
         prompt = list(request.prompt_token_ids or ())
         loadable = max(len(prompt) - 1, 0) // self.block_tokens * self.block_tokens
@@ -213,7 +215,7 @@ class _SchedulerSide:
         if keys:
             try:
                 matched = self.client.lookup(self.settings.scope_id, self.compat_id, keys)
-            except HolderError as error:
+            except PeerError as error:
                 log.warning("KVSP: lookup failed, request recomputes: %s", error)
         plan = _RequestPlan(request, chain, keys, loadable, matched, stored=len(matched))
         self._plans[request.request_id] = plan
@@ -396,9 +398,9 @@ class _WorkerSide:
                     on_layer=lambda layer: self._install(layer, block.block_id),
                 )
                 return
-            except HolderError as error:
+            except PeerError as error:
                 errors.append(str(error))
-        raise HolderError("; ".join(errors) or "no replica")
+        raise PeerError("; ".join(errors) or "no replica")
 
     def _install(self, layer: Layer, block_id: int) -> None:
         g = self.geometry.block
