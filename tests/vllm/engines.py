@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -95,15 +96,18 @@ class EngineProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.proc.poll() is None:
+            # The end of its input: the engine finishes its stores and exits.
+            self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        self.kill()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        """SIGKILL the engine's session: the engine, and what it started and left behind
+        (multiprocessing's resource tracker outlives an engine that exits with ``os._exit``)."""
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        self.proc.wait(timeout=10)
