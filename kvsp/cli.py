@@ -4,6 +4,7 @@
     python -m kvsp scope-id --key-hex HEX
     python -m kvsp block-keys --key-hex HEX --compat-id HEX --block-tokens B FILE
     python -m kvsp container inspect FILE
+    python -m kvsp descriptor MODEL_DIR --model NAME --block-tokens B [--kv-dtype TYPE]
 
 FILE may be ``-`` for standard input. Bad input of any kind exits with status 2 and exactly one
 line on standard error that says what is wrong: scripts read that line, so it is never a
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from kvsp.blockkeys import block_keys, scope_id_hex
-from kvsp.compat import compat_id_hex, loads_json, parse_descriptor
+from kvsp.compat import compat_id_hex, descriptor_from_model_dir, loads_json, parse_descriptor
 from kvsp.hexids import parse_hex32
 from kvsp.problems import ProtocolError
 
@@ -101,6 +102,13 @@ def _container_inspect(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2))
 
 
+def _descriptor(args: argparse.Namespace) -> None:
+    descriptor = descriptor_from_model_dir(
+        args.model_dir, model=args.model, block_tokens=args.block_tokens, kv_dtype=args.kv_dtype
+    )
+    print(json.dumps(descriptor, indent=2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsp", description="KVSP protocol core: identifiers and containers.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -133,6 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     action.add_argument("file", metavar="FILE", help="container file, or - for stdin")
     action.set_defaults(run=_container_inspect, prog=action.prog)
+
+    command = commands.add_parser(
+        "descriptor",
+        help="the Compatibility Descriptor (JSON, 4.1) of a Hugging Face model directory",
+    )
+    command.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
+    command.add_argument(
+        "--model", required=True, metavar="NAME", help="the model name every party uses"
+    )
+    command.add_argument(
+        "--block-tokens", required=True, type=int, metavar="B", help="the block size in tokens"
+    )
+    command.add_argument(
+        "--kv-dtype",
+        metavar="TYPE",
+        help="the element type of the cache, when it is not the config's dtype",
+    )
+    command.set_defaults(run=_descriptor, prog=command.prog)
     return parser
 
 

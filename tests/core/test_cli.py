@@ -123,6 +123,63 @@ def test_container_inspect(tmp_path):
     assert json.loads(ok(kvsp("container", "inspect", "-", stdin=data))) == expected
 
 
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """A Hugging Face style directory: the descriptor reads the config and hashes the files."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    config = {
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 128,
+        "dtype": "float32",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes(b"weights")
+    (directory / "tokenizer.json").write_bytes(b"tokenizer")
+    return directory
+
+
+def test_descriptor(model_dir):
+    args = ("descriptor", str(model_dir), "--model", "example/cli", "--block-tokens", "32")
+    descriptor = json.loads(ok(kvsp(*args)))
+    assert descriptor == {
+        "model": "example/cli",
+        "model_digest": "sha-256:" + hashlib.sha256(b"weights").hexdigest(),
+        "tokenizer_digest": "sha-256:" + hashlib.sha256(b"tokenizer").hexdigest(),
+        "layers": 3,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "kv_dtype": "float32",
+        "positional": "rope;theta=10000",
+        "block_tokens": 32,
+        "layout": "kvsp-layout-1",
+    }
+    # What it prints is what an operator registers, so compat-id agrees with the descriptor.
+    printed = ok(kvsp("compat-id", "-", stdin=json.dumps(descriptor).encode()))
+    assert printed == compat_id_hex(descriptor) + "\n"
+    half = json.loads(ok(kvsp(*args, "--kv-dtype", "float16")))
+    assert half == {**descriptor, "kv_dtype": "float16"}
+
+
+def test_descriptor_bad_input_gives_one_line(model_dir):
+    def descriptor(*args: str) -> str:
+        return one_line_error(kvsp("descriptor", *args))
+
+    assert "required: --model" in descriptor(str(model_dir), "--block-tokens", "32")
+    missing = descriptor("/nonexistent", "--model", "m", "--block-tokens", "32")
+    assert "is not a directory" in missing
+    line = descriptor(str(model_dir), "--model", "m", "--block-tokens", "0")
+    assert line.startswith("kvsp descriptor: ") and "block_tokens must be in 1.." in line
+    line = descriptor(str(model_dir), "--model", "m", "--block-tokens", "32", "--kv-dtype", "int8")
+    assert "'int8' is not in the KVSP Element Types registry" in line
+    (model_dir / "tokenizer.json").unlink()
+    line = descriptor(str(model_dir), "--model", "m", "--block-tokens", "32")
+    assert "holds neither tokenizer.json nor tokenizer.model" in line
+
+
 @pytest.mark.parametrize(
     "args", [("--help",), ("block-keys", "--help"), ("container", "inspect", "--help")]
 )

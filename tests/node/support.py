@@ -28,10 +28,13 @@ def random_key() -> str:
     return os.urandom(32).hex()
 
 
-def container(seed: int | bytes, *, layers: int = LAYERS, tokens: int = BLOCK_TOKENS) -> bytes:
-    """A codec raw container of the reference geometry whose sections are seeded noise."""
+def container(
+    seed: int | bytes, *, layers: int = LAYERS, tokens: int = BLOCK_TOKENS, head_dim: int = 16
+) -> bytes:
+    """A codec raw container of the reference geometry (2 KV heads of float32) whose sections
+    are seeded noise."""
     seed = seed if isinstance(seed, bytes) else seed.to_bytes(8, "big")
-    section = tokens * 2 * 16 * 4
+    section = tokens * 2 * head_dim * 4
 
     def noise(label: bytes) -> bytes:
         out = bytearray()
