@@ -350,6 +350,7 @@ CELERY_RESULT_BACKEND = env.str(
 )
 CELERY_BROKER_TRANSPORT_OPTIONS = {}
 if CELERY_BROKER_URL.startswith("filesystem://"):
+    CELERY_BROKER_TRANSPORT = "kvspsite.broker:Transport"
     _broker_dir = VAR_DIR / "celery" / "broker"
     for _sub in ("queue", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
