@@ -1,21 +1,25 @@
 """What the benchmarks share: a fresh Postgres database, the management commands, the geometry
-of a Llama-3-8B block, and a control plane with registered nodes to start processes for."""
+of a Llama-3-8B block, a control plane with registered nodes to start processes for, and nginx
+serving files as the limit a block transfer is compared with."""
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import httpx
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support.processes import free_port, run_manage  # noqa: E402
+from tests.support.processes import Process, free_port, run_manage  # noqa: E402
 
 PG = "postgres://postgres@127.0.0.1:5432"
 BLOCK_TOKENS = 16
@@ -129,3 +133,64 @@ class BenchCluster:
                 process.stop()
             shutil.rmtree(self.shm, ignore_errors=True)
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+def ensure_nginx() -> str:
+    found = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+    if found is None:
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "nginx-light"], check=True, capture_output=True
+        )
+        found = shutil.which("nginx") or "/usr/sbin/nginx"
+    return found
+
+
+class Nginx(Process):
+    """nginx as a child process of its own: a temporary prefix, configuration and port."""
+
+    def __init__(self, binary: str, root: Path, workdir: Path, log_dir: Path):
+        self.port = free_port()
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        for sub in ("client", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (workdir / sub).mkdir(exist_ok=True)
+        conf = workdir / "nginx.conf"
+        conf.write_text(
+            f"""
+{"user " + user + ";" if os.geteuid() == 0 else ""}
+daemon off;
+master_process on;
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/error.log;
+events {{ worker_connections 64; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    client_body_temp_path {workdir}/client;
+    proxy_temp_path {workdir}/proxy;
+    fastcgi_temp_path {workdir}/fastcgi;
+    uwsgi_temp_path {workdir}/uwsgi;
+    scgi_temp_path {workdir}/scgi;
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{self.port};
+        root {root};
+    }}
+}}
+"""
+        )
+        super().__init__("nginx", [binary, "-p", str(workdir), "-c", str(conf)], {}, log_dir)
+
+    def start(self) -> Nginx:
+        super().start()
+        self.wait_for(self._listening, "nginx listening", timeout=20)
+        return self
+
+    def _listening(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/", timeout=1).status_code < 500
+        except httpx.HTTPError:
+            return False

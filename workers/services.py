@@ -43,7 +43,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 # After a failed publish, the next attempt.
 PUBLISH_RETRY = timedelta(seconds=5)
-# Records published at the same time by ``publish_all``.
+# Records published at the same time by ``publish_records``.
 PUBLISH_PARALLEL = 8
 # A file in a tier directory with no row younger than this may belong to a placement still in
 # its transaction.
@@ -147,27 +147,67 @@ def publish_current(pk: int) -> bool:
     return False
 
 
-def publish_all(pks: list[int]) -> int:
-    """Publish the records of many blocks, PUBLISH_PARALLEL at a time (see
-    ``publish_current``); how many the IS has now."""
+def publish_records(records: list) -> list[int | None]:
+    """Send Replica Records to the IS (6.1): the TTL granted to each, None for each that could
+    not be published now. The one place where the loaders' records leave the node: as single
+    PUTs, PUBLISH_PARALLEL at a time."""
 
-    def publish(pk: int) -> bool:
+    def publish(record) -> int | None:
         try:
-            return publish_current(pk)
-        finally:
-            connections.close_all()
+            return control.publish(record)
+        except (ProtocolError, PeerUnreachable) as exc:
+            log.warning("publishing %s failed: %s", record.block_key, exc)
+            return None
 
-    if len(pks) <= 1:
-        return sum(publish_current(pk) for pk in pks)
-    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(pks))) as pool:
-        return sum(pool.map(publish, pks))
+    if len(records) <= 1:
+        return [publish(record) for record in records]
+    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(records))) as pool:
+        return list(pool.map(publish, records))
+
+
+def _note_published(blocks: list[StoredBlock], ttls: list[int | None], now: datetime) -> None:
+    """When each record expires at the IS and is due again: one UPDATE per TTL granted."""
+    by_ttl: dict[int | None, list[int]] = {}
+    for block, ttl_ms in zip(blocks, ttls, strict=True):
+        by_ttl.setdefault(ttl_ms, []).append(block.pk)
+    for ttl_ms, pks in by_ttl.items():
+        rows = StoredBlock.objects.filter(pk__in=pks)
+        if ttl_ms is None:
+            rows.update(refresh_due_at=now + PUBLISH_RETRY)
+        else:
+            rows.update(
+                record_expires_at=now + timedelta(milliseconds=ttl_ms),
+                refresh_due_at=now + timedelta(milliseconds=ttl_ms / 2),
+            )
 
 
 def publish_loaded(pks: list[int]) -> int:
-    """Publish the records of blocks a loader admitted (a prefetch, a resume, a reshard's
-    commit): every record the loaders publish goes through here, so that the way they reach the
-    IS is chosen in one place. How many the IS has now."""
-    return publish_all(pks)
+    """Publish the records of blocks a loader admitted, or a reshard's commit made held: as
+    ``publish_current`` does for one, for the batch at once: the rows read in one query, the
+    records sent together (``publish_records``), their expiry noted in one UPDATE, and one lock
+    of the node to check that none of them left or moved while the records travelled. How many
+    the IS has now."""
+    blocks = list(StoredBlock.objects.filter(pk__in=pks, pending_move__isnull=True))
+    if not blocks:
+        return 0
+    now = timezone.now()
+    ttls = publish_records([selectors.replica_record(block) for block in blocks])
+    _note_published(blocks, ttls, now)
+    moved = []
+    published = 0
+    with transaction.atomic():
+        lock_node(blocks[0].instance)
+        current = {row.pk: row for row in StoredBlock.objects.filter(pk__in=pks)}
+        for block, ttl_ms in zip(blocks, ttls, strict=True):
+            row = current.get(block.pk)
+            if row is None:
+                if ttl_ms is not None:
+                    _withdraw(block.instance, block.ids, "evicted meanwhile", timezone.now())
+            elif _residency_key(row) != _residency_key(block):
+                moved.append(block.pk)
+            elif ttl_ms is not None:
+                published += 1
+    return published + sum(publish_current(pk) for pk in moved)
 
 
 def _publish_on_commit(block: StoredBlock) -> None:
@@ -673,6 +713,11 @@ def do_admit_loaded(blocks: list[LoadedBlock], pending_move_id: int | None = Non
             stored = _place_many_locked(
                 name, prepared, placed, pending_move_id=pending_move_id, devices=devices
             )
+            if pending_move_id is None and stored:
+                # The loader publishes these itself at once; the keeper only if it cannot.
+                StoredBlock.objects.filter(pk__in=stored).update(
+                    refresh_due_at=timezone.now() + PUBLISH_RETRY
+                )
             if pending_move_id is not None and stored:
                 octets = StoredBlock.objects.filter(pk__in=stored).aggregate(total=Sum("size"))[
                     "total"
@@ -1082,7 +1127,7 @@ def do_commit_move(map_id: str, to_version: int) -> ReshardMove:
                 move.finished_at = now
             move.save()
     # A record that cannot be published now is due at once: the keeper publishes it.
-    publish_all(fetched)
+    publish_loaded(fetched)
     do_release_owed(name, move.pk)
     move.refresh_from_db()
     return move

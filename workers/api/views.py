@@ -30,6 +30,7 @@ from kvsp.records import (
 )
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
 from kvspsite.api import (
+    CachedBearerTokenAuthentication,
     KvspBlockParser,
     KvspBlockRenderer,
     KvspJSONRenderer,
@@ -85,6 +86,7 @@ class BlockView(APIView):
     """One block resource (6.7): GET a container or a layer range of it, PUT to store one."""
 
     parser_classes = [KvspBlockParser]
+    authentication_classes = [CachedBearerTokenAuthentication]
 
     def get_renderers(self):
         if self.request is not None and self.request.method in ("GET", "HEAD"):
@@ -171,6 +173,8 @@ class BlockView(APIView):
 class LeaseListView(APIView):
     """POST leases (6.6)."""
 
+    authentication_classes = [CachedBearerTokenAuthentication]
+
     def post(self, request):
         grant = services.do_create_lease(request.user, LeaseRequest.from_json(request.data))
         return Response(
@@ -182,6 +186,8 @@ class LeaseListView(APIView):
 
 class LeaseView(APIView):
     """Renew (PUT) or release (DELETE) a lease (6.6); only its holder's principal may."""
+
+    authentication_classes = [CachedBearerTokenAuthentication]
 
     def put(self, request, lease: str):
         grant = services.do_renew_lease(request.user, lease, LeaseRenewal.from_json(request.data))
