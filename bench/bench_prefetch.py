@@ -42,9 +42,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
-from bench.support import DESCRIPTOR, SECTION, BenchCluster, Nginx, ensure_nginx  # noqa: E402
+from bench.support import (  # noqa: E402
+    DESCRIPTOR,
+    SECTION,
+    BenchCluster,
+    Nginx,
+    ensure_nginx,
+    store_random_block,
+)
 from kvsp.compat import compat_id_hex  # noqa: E402
-from kvsp.container import RAW_CODEC, encode, store_headers  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
 from tests.support.processes import Server, Worker  # noqa: E402
@@ -113,20 +119,8 @@ def run(options, cluster: BenchCluster) -> None:
         keys = [rng.randbytes(32).hex() for _ in range(count)]
 
         def put(key: str) -> int:
-            local = random.Random(key)
-            data = encode(
-                RAW_CODEC,
-                0,
-                16,
-                [(local.randbytes(section), local.randbytes(section)) for _ in range(layers)],
-            )
-            response = n1.put(
-                f"{urls['n1']}blocks/{compat}/{scope}/{key}",
-                content=data,
-                headers=store_headers(hashlib.sha256(data).digest()),
-            )
-            assert response.status_code == 201, response.text
-            return len(data)
+            ids = (compat, scope, key)
+            return store_random_block(n1, urls["n1"], ids, layers=layers, section=section)
 
         started = time.perf_counter()
         with ThreadPoolExecutor(max_workers=2) as pool:

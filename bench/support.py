@@ -4,9 +4,11 @@ serving files as the limit a block transfer is compared with."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pwd
+import random
 import shutil
 import subprocess
 import sys
@@ -37,6 +39,34 @@ DESCRIPTOR = {
     "layout": "kvsp-layout-1",
 }
 SECTION = BLOCK_TOKENS * 8 * 128 * 2  # octets of one K or V section of such a block
+
+
+def store_random_block(
+    client: httpx.Client,
+    holder: str,
+    ids: tuple[str, str, str],
+    *,
+    layers: int = 32,
+    section: int = SECTION,
+) -> int:
+    """PUT a container of random octets (seeded by its key) at ``holder``; its size."""
+    from kvsp.container import RAW_CODEC, encode, store_headers
+
+    compat, scope, key = ids
+    local = random.Random(key)
+    data = encode(
+        RAW_CODEC,
+        0,
+        BLOCK_TOKENS,
+        [(local.randbytes(section), local.randbytes(section)) for _ in range(layers)],
+    )
+    response = client.put(
+        f"{holder}blocks/{compat}/{scope}/{key}",
+        content=data,
+        headers=store_headers(hashlib.sha256(data).digest()),
+    )
+    assert response.status_code == 201, response.text
+    return len(data)
 
 
 def fresh_database(name: str) -> None:
