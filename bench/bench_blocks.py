@@ -23,10 +23,8 @@ import argparse
 import hashlib
 import json
 import os
-import pwd
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,11 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
-from bench.support import PG, fresh_database  # noqa: E402
+from bench.support import PG, Nginx, ensure_nginx, fresh_database  # noqa: E402
 from kvsp.container import RAW_CODEC, decode, encode, store_headers  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
 from kvsp.reprdigest import verify_repr_digest  # noqa: E402
-from tests.support.processes import Process, Server, free_port, run_manage  # noqa: E402
+from tests.support.processes import Server, free_port, run_manage  # noqa: E402
 
 DB = "kvsp_bench_node"
 LAYERS = 32
@@ -59,67 +57,6 @@ def best_of(repeats: int, function) -> float:
         function()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def ensure_nginx() -> str:
-    found = shutil.which("nginx") or (
-        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-    )
-    if found is None:
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "nginx-light"], check=True, capture_output=True
-        )
-        found = shutil.which("nginx") or "/usr/sbin/nginx"
-    return found
-
-
-class Nginx(Process):
-    """nginx as a child process of its own: a temporary prefix, configuration and port."""
-
-    def __init__(self, binary: str, root: Path, workdir: Path, log_dir: Path):
-        self.port = free_port()
-        user = pwd.getpwuid(os.geteuid()).pw_name
-        for sub in ("client", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (workdir / sub).mkdir(exist_ok=True)
-        conf = workdir / "nginx.conf"
-        conf.write_text(
-            f"""
-{"user " + user + ";" if os.geteuid() == 0 else ""}
-daemon off;
-master_process on;
-worker_processes 1;
-pid {workdir}/nginx.pid;
-error_log {workdir}/error.log;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    sendfile on;
-    tcp_nopush on;
-    client_body_temp_path {workdir}/client;
-    proxy_temp_path {workdir}/proxy;
-    fastcgi_temp_path {workdir}/fastcgi;
-    uwsgi_temp_path {workdir}/uwsgi;
-    scgi_temp_path {workdir}/scgi;
-    default_type application/octet-stream;
-    server {{
-        listen 127.0.0.1:{self.port};
-        root {root};
-    }}
-}}
-"""
-        )
-        super().__init__("nginx", [binary, "-p", str(workdir), "-c", str(conf)], {}, log_dir)
-
-    def start(self) -> Nginx:
-        super().start()
-        self.wait_for(self._listening, "nginx listening", timeout=20)
-        return self
-
-    def _listening(self) -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/", timeout=1).status_code < 500
-        except httpx.HTTPError:
-            return False
 
 
 def main() -> None:

@@ -1,26 +1,27 @@
-"""Prefetch of 256 blocks from a peer (spec 6.5) against the cost model's ``fetch_us`` (6.4) for
-that link.
+"""Prefetch from a peer (spec 6.5): 256 blocks of 2 MiB against nginx serving the same octets,
+and a directive of 1,024 blocks of 16 KiB, wall time per block.
 
-A control plane, a source node ``n1`` holding 256 blocks of 2 MiB (32 layers, 8 KV heads of
-dimension 128, float16: a Llama-3-8B block of 16 tokens) and a target node ``n2`` with its Celery
-worker (threads), all on loopback with Postgres and Redis. The controller sends ``n2`` one
-directive for all 256 blocks with ``n1`` as their source; ``n2`` leases, fetches, verifies every
-digest, stores, keeps device copies (CPU tensors here) and publishes each block.
+A control plane, a source node ``n1`` and a target node ``n2`` with its Celery worker (threads),
+all on loopback with Postgres and Redis. ``n1`` holds 256 blocks of 2 MiB (32 layers, 8 KV heads
+of dimension 128, float16: a Llama-3-8B block of 16 tokens) and 1,024 blocks of 16 KiB (4 layers,
+of a compat with no registered descriptor). The controller sends ``n2`` one directive for each
+set with ``n1`` as the source; ``n2`` leases, fetches, verifies every digest (Repr-Digest, each
+layer digest, the replica digest), stores, keeps device copies of the large blocks (CPU tensors
+here) and publishes each block. Wall time is the node's: directive received to complete.
 
-The wall time (directive received to directive complete, on the node's clock) is compared with
-``kvsp.cost.plan_fetch`` for the same blocks, priced with two links to ``n1``:
+- 2 MiB blocks: the limit is nginx (sendfile) serving the very files ``n1`` serves, read one
+  after another over one kept-alive connection by the same HTTP client, plus one
+  ``hashlib.sha256`` per block: the least a verified transfer of those octets costs. Best of
+  ``--repeats`` before and after the prefetch. Target: limit / wall >= 0.5.
+- 16 KiB blocks: wall / 1,024. Target: <= 1.0 ms per block.
 
-- the link as measured by this script before the prefetch, one block at a time, the way the
-  node measures it: the quickest response head of a verified 2 MiB block GET as the round
-  trip, and the quickest transfer after it as the rate;
-- the link ``n2`` measured during the prefetch and reports in its status record.
+Also shown: the cost model's ``fetch_us`` (6.4) for the 2 MiB directive, priced with the link as
+probed by this script before the prefetch and as ``n2`` measured it.
 
-``wall / fetch_us`` above 1 is what the protocol's per-block work costs beyond moving octets
-(lease, verification, placement, publication) once parallel loads are taken into account.
+    .venv/bin/python bench/bench_prefetch.py [--blocks N] [--small-blocks N] [--parallel P]
 
-    .venv/bin/python bench/bench_prefetch.py [--blocks N] [--parallel P]
-
-Needs Postgres and Redis on 127.0.0.1 (CELERY_BROKER_URL, default redis://127.0.0.1:6379/3).
+Needs Postgres and Redis on 127.0.0.1 (CELERY_BROKER_URL, default redis://127.0.0.1:6379/3);
+installs nginx from Debian's packages (nginx-light) when missing.
 """
 
 from __future__ import annotations
@@ -41,20 +42,30 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
-from bench.support import DESCRIPTOR, SECTION, BenchCluster  # noqa: E402
+from bench.support import (  # noqa: E402
+    DESCRIPTOR,
+    SECTION,
+    BenchCluster,
+    Nginx,
+    ensure_nginx,
+    store_random_block,
+)
 from kvsp.compat import compat_id_hex  # noqa: E402
-from kvsp.container import RAW_CODEC, encode, store_headers  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
 from tests.support.processes import Server, Worker  # noqa: E402
 
-DB = "kvsp_bench_node"
+DB = "kvsp_bench_prefetch"
+TARGET_RATIO = 0.5
+TARGET_SMALL_MS = 1.0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--small-blocks", type=int, default=1024)
     parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     options = parser.parse_args()
 
     cluster = BenchCluster("prefetch", DB, ("n1", "n2"))
@@ -96,40 +107,34 @@ def run(options, cluster: BenchCluster) -> None:
     os.environ["DATABASE_URL"] = cluster.database_url
     django.setup()
     from workers.fetch import fetch_block
-    from workers.models import Directive, MeasuredLink
+    from workers.models import MeasuredLink
 
     compat = compat_id_hex(DESCRIPTOR)
     pc = httpx.Client(headers={"Authorization": f"Bearer {controller}"}, timeout=60)
     assert pc.put(f"{cp_url}compat/{compat}", json=DESCRIPTOR).status_code in (200, 201)
-
-    rng = random.Random(9001)
-    keys = [rng.randbytes(32).hex() for _ in range(options.blocks)]
     n1 = httpx.Client(headers={"Authorization": f"Bearer {tokens['n1']}"}, timeout=60)
+    rng = random.Random(9001)
 
-    def put(key: str) -> int:
-        local = random.Random(key)
-        data = encode(
-            RAW_CODEC,
-            0,
-            16,
-            [(local.randbytes(SECTION), local.randbytes(SECTION)) for _ in range(32)],
-        )
-        response = n1.put(
-            f"{urls['n1']}blocks/{compat}/{scope}/{key}",
-            content=data,
-            headers=store_headers(hashlib.sha256(data).digest()),
-        )
-        assert response.status_code == 201, response.text
-        return len(data)
+    def store(compat: str, count: int, layers: int, section: int) -> tuple[list[str], int]:
+        keys = [rng.randbytes(32).hex() for _ in range(count)]
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        sizes = list(pool.map(put, keys))
-    total = sum(sizes)
-    print(
-        f"source n1: {len(keys)} blocks of {sizes[0] / (1 << 20):.2f} MiB "
-        f"({total / (1 << 20):.0f} MiB) stored in {time.perf_counter() - started:.1f} s"
-    )
+        def put(key: str) -> int:
+            ids = (compat, scope, key)
+            return store_random_block(n1, urls["n1"], ids, layers=layers, section=section)
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            sizes = list(pool.map(put, keys))
+        print(
+            f"source n1: {count} blocks of {sizes[0] / 1024:,.0f} KiB "
+            f"({sum(sizes) / (1 << 20):,.0f} MiB) stored in {time.perf_counter() - started:.1f} s"
+        )
+        return keys, sizes[0]
+
+    keys, size = store(compat, options.blocks, 32, SECTION)
+    total = size * len(keys)
+    small_compat = rng.randbytes(32).hex()  # no descriptor: no device copies
+    small_keys, small_size = store(small_compat, options.small_blocks, 4, 2048)
 
     records = {}
     found = pc.post(
@@ -139,7 +144,7 @@ def run(options, cluster: BenchCluster) -> None:
     for block in found["blocks"]:
         records[block["block_key"]] = ReplicaRecord.from_json(block["replicas"][0])
 
-    # The link to n1 as this script sees it, measured as the node measures it (workers.prefetch)
+    # The link to n1 as this script sees it, measured as the node measures it (workers.loader)
     # but one block at a time: the quickest response head, the quickest transfer after it.
     probe = httpx.Client(headers={"Authorization": f"Bearer {tokens['n2']}"}, timeout=60)
     heads, transfers = [], []
@@ -149,9 +154,73 @@ def run(options, cluster: BenchCluster) -> None:
         transfers.append(fetched.elapsed_s - fetched.first_byte_s)
     probed = Link(
         holder=urls["n1"],
-        mbit_per_s=8 * sizes[0] / (min(transfers) * 1e6),
+        mbit_per_s=8 * size / (min(transfers) * 1e6),
         rtt_us=min(heads) * 1e6,
     )
+
+    source_dir = cluster.shm / names["n1"]
+    files = sorted(p.name for p in source_dir.iterdir() if p.stat().st_size == size)
+    assert len(files) == len(keys), (len(files), len(keys))
+    nginx = Nginx(ensure_nginx(), source_dir, cluster.work, cluster.work).start()
+    try:
+        limits = [nginx_limit(nginx.port, files, size) for _ in range(options.repeats)]
+        wall = prefetch(pc, urls, scope, compat, keys)
+        limits += [nginx_limit(nginx.port, files, size) for _ in range(options.repeats)]
+    finally:
+        nginx.stop()
+    small_wall = prefetch(pc, urls, scope, small_compat, small_keys)
+
+    limit = min(limits)
+    measured = MeasuredLink.objects.get(instance=names["n2"], holder=urls["n1"])
+    reported = Link(holder=urls["n1"], mbit_per_s=measured.mbit_per_s, rtt_us=measured.rtt_us)
+    matched = [MatchedBlock(key, (records[key],)) for key in keys]
+    missed = []
+
+    print(f"prefetch of {len(keys)} blocks of {size / (1 << 20):.0f} MiB n1 -> n2")
+    print(f"  wall time on the node (received -> complete): {wall * 1e3:9.1f} ms")
+    print(f"  throughput: {total / wall / 1e9:.2f} GB/s, {len(keys) / wall:.0f} blocks/s")
+    ratio = limit / wall
+    print(
+        f"  nginx (sendfile) + one sha256 per block, one kept-alive connection, best of "
+        f"{len(limits)}: {limit * 1e3:9.1f} ms ({total / limit / 1e9:.2f} GB/s)"
+    )
+    print(f"  limit / wall: {ratio:.2f}  (target >= {TARGET_RATIO})")
+    if ratio < TARGET_RATIO:
+        missed.append(f"2 MiB prefetch at {ratio:.2f} of the limit")
+    for name, link in (("probed before", probed), ("reported by n2", reported)):
+        plan = plan_fetch(urls["n2"], [link], matched)
+        print(
+            f"  cost model fetch_us, link {name} ({link.mbit_per_s:,.0f} Mbit/s, "
+            f"rtt {link.rtt_us:,.0f} us): {plan.fetch_us / 1e3:9.1f} ms  "
+            f"wall/fetch_us {wall * 1e6 / plan.fetch_us:5.2f}"
+        )
+    per_block_ms = small_wall * 1e3 / len(small_keys)
+    print(f"prefetch of {len(small_keys)} blocks of {small_size / 1024:.0f} KiB n1 -> n2")
+    print(f"  wall time on the node (received -> complete): {small_wall * 1e3:9.1f} ms")
+    print(f"  per block: {per_block_ms:.3f} ms  (target <= {TARGET_SMALL_MS})")
+    if per_block_ms > TARGET_SMALL_MS:
+        missed.append(f"16 KiB directive at {per_block_ms:.2f} ms per block")
+    if missed:
+        raise SystemExit("missed: " + "; ".join(missed))
+
+
+def nginx_limit(port: int, files: list[str], size: int) -> float:
+    """Every file from nginx in turn over one kept-alive connection, one sha256 per file."""
+    with httpx.Client(timeout=60) as client:
+        started = time.perf_counter()
+        for name in files:
+            body = bytearray()
+            with client.stream("GET", f"http://127.0.0.1:{port}/{name}") as response:
+                for chunk in response.iter_raw(1 << 20):
+                    body += chunk
+            hashlib.sha256(body).digest()
+            assert len(body) == size
+        return time.perf_counter() - started
+
+
+def prefetch(pc: httpx.Client, urls: dict, scope: str, compat: str, keys: list[str]) -> float:
+    """One directive for ``keys`` from n1 to n2; its wall time on n2's clock."""
+    from workers.models import Directive
 
     directive = str(uuid.uuid4())
     body = {
@@ -162,7 +231,6 @@ def run(options, cluster: BenchCluster) -> None:
         "deadline_ms": 600_000,
         "lease_ms": 60_000,
     }
-    client_started = time.perf_counter()
     accepted = pc.post(f"{urls['n2']}prefetch", json=body)
     assert accepted.status_code == 202, accepted.text
     while True:
@@ -170,25 +238,9 @@ def run(options, cluster: BenchCluster) -> None:
         if state["state"] != "pending":
             break
         time.sleep(0.05)
-    client_wall = time.perf_counter() - client_started
     assert state["state"] == "complete" and len(state["loaded"]) == len(keys), state
     row = Directive.objects.get(directive=directive)
-    wall = (row.finished_at - row.received_at).total_seconds()
-    measured = MeasuredLink.objects.get(instance=names["n2"], holder=urls["n1"])
-    reported = Link(holder=urls["n1"], mbit_per_s=measured.mbit_per_s, rtt_us=measured.rtt_us)
-    matched = [MatchedBlock(key, (records[key],)) for key in keys]
-
-    print(f"prefetch of {len(keys)} blocks n1 -> n2, {options.parallel} at a time")
-    print(f"  wall time on the node (received -> complete): {wall * 1e3:9.1f} ms")
-    print(f"  wall time seen by the controller (POST -> poll): {client_wall * 1e3:7.1f} ms")
-    print(f"  throughput: {total / wall / 1e9:.2f} GB/s, {len(keys) / wall:.0f} blocks/s")
-    for name, link in (("probed before", probed), ("reported by n2", reported)):
-        plan = plan_fetch(urls["n2"], [link], matched)
-        print(
-            f"  cost model fetch_us, link {name} ({link.mbit_per_s:,.0f} Mbit/s, "
-            f"rtt {link.rtt_us:,.0f} us): {plan.fetch_us / 1e3:9.1f} ms  "
-            f"wall/fetch_us {wall * 1e6 / plan.fetch_us:5.2f}"
-        )
+    return (row.finished_at - row.received_at).total_seconds()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Needs Postgres and Redis on 127.0.0.1 (CELERY_BROKER_URL, default redis://127.0.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import random
@@ -46,9 +45,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
-from bench.support import BLOCK_TOKENS, DESCRIPTOR, SECTION, BenchCluster  # noqa: E402
+from bench.support import (  # noqa: E402
+    BLOCK_TOKENS,
+    DESCRIPTOR,
+    BenchCluster,
+    store_random_block,
+)
 from kvsp.compat import compat_id_hex  # noqa: E402
-from kvsp.container import RAW_CODEC, encode, store_headers  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
 from tests.support.processes import Server, Worker  # noqa: E402
@@ -156,21 +159,8 @@ def run(options, cluster: BenchCluster) -> None:
     }
 
     def put(index: int) -> int:
-        local = random.Random(keys[index])
-        data = encode(
-            RAW_CODEC,
-            0,
-            BLOCK_TOKENS,
-            [(local.randbytes(SECTION), local.randbytes(SECTION)) for _ in range(32)],
-        )
         member = first[index]
-        response = clients[member].put(
-            f"{urls[member]}blocks/{compat}/{scope}/{keys[index]}",
-            content=data,
-            headers=store_headers(hashlib.sha256(data).digest()),
-        )
-        assert response.status_code == 201, response.text
-        return len(data)
+        return store_random_block(clients[member], urls[member], (compat, scope, keys[index]))
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=2) as pool:

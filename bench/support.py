@@ -1,21 +1,27 @@
 """What the benchmarks share: a fresh Postgres database, the management commands, the geometry
-of a Llama-3-8B block, and a control plane with registered nodes to start processes for."""
+of a Llama-3-8B block, a control plane with registered nodes to start processes for, and nginx
+serving files as the limit a block transfer is compared with."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pwd
+import random
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import httpx
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support.processes import free_port, run_manage  # noqa: E402
+from tests.support.processes import Process, free_port, run_manage  # noqa: E402
 
 PG = "postgres://postgres@127.0.0.1:5432"
 BLOCK_TOKENS = 16
@@ -33,6 +39,34 @@ DESCRIPTOR = {
     "layout": "kvsp-layout-1",
 }
 SECTION = BLOCK_TOKENS * 8 * 128 * 2  # octets of one K or V section of such a block
+
+
+def store_random_block(
+    client: httpx.Client,
+    holder: str,
+    ids: tuple[str, str, str],
+    *,
+    layers: int = 32,
+    section: int = SECTION,
+) -> int:
+    """PUT a container of random octets (seeded by its key) at ``holder``; its size."""
+    from kvsp.container import RAW_CODEC, encode, store_headers
+
+    compat, scope, key = ids
+    local = random.Random(key)
+    data = encode(
+        RAW_CODEC,
+        0,
+        BLOCK_TOKENS,
+        [(local.randbytes(section), local.randbytes(section)) for _ in range(layers)],
+    )
+    response = client.put(
+        f"{holder}blocks/{compat}/{scope}/{key}",
+        content=data,
+        headers=store_headers(hashlib.sha256(data).digest()),
+    )
+    assert response.status_code == 201, response.text
+    return len(data)
 
 
 def fresh_database(name: str) -> None:
@@ -129,3 +163,64 @@ class BenchCluster:
                 process.stop()
             shutil.rmtree(self.shm, ignore_errors=True)
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+def ensure_nginx() -> str:
+    found = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+    if found is None:
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "nginx-light"], check=True, capture_output=True
+        )
+        found = shutil.which("nginx") or "/usr/sbin/nginx"
+    return found
+
+
+class Nginx(Process):
+    """nginx as a child process of its own: a temporary prefix, configuration and port."""
+
+    def __init__(self, binary: str, root: Path, workdir: Path, log_dir: Path):
+        self.port = free_port()
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        for sub in ("client", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (workdir / sub).mkdir(exist_ok=True)
+        conf = workdir / "nginx.conf"
+        conf.write_text(
+            f"""
+{"user " + user + ";" if os.geteuid() == 0 else ""}
+daemon off;
+master_process on;
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/error.log;
+events {{ worker_connections 64; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    client_body_temp_path {workdir}/client;
+    proxy_temp_path {workdir}/proxy;
+    fastcgi_temp_path {workdir}/fastcgi;
+    uwsgi_temp_path {workdir}/uwsgi;
+    scgi_temp_path {workdir}/scgi;
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{self.port};
+        root {root};
+    }}
+}}
+"""
+        )
+        super().__init__("nginx", [binary, "-p", str(workdir), "-c", str(conf)], {}, log_dir)
+
+    def start(self) -> Nginx:
+        super().start()
+        self.wait_for(self._listening, "nginx listening", timeout=20)
+        return self
+
+    def _listening(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/", timeout=1).status_code < 500
+        except httpx.HTTPError:
+            return False

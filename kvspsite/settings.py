@@ -223,6 +223,9 @@ KVSP_LEASE_MAX_TTL_MS = _int_setting("KVSP_LEASE_MAX_TTL_MS", 60_000)
 # Requests per second and burst per principal and serving process; 0 turns the limit off.
 KVSP_RATE_LIMIT_PER_S = _float_setting("KVSP_RATE_LIMIT_PER_S", 2000.0)
 KVSP_RATE_LIMIT_BURST = _int_setting("KVSP_RATE_LIMIT_BURST", 4000)
+# How long a node's block and lease requests take a verified bearer token as it was: a revoked
+# token may serve them for this long in each process (0: verified on every request).
+KVSP_AUTH_CACHE_S = _float_setting("KVSP_AUTH_CACHE_S", 2.0)
 KVSP_MAX_LOOKUP_KEYS = _int_setting("KVSP_MAX_LOOKUP_KEYS", 65_536)
 KVSP_MAX_BATCH_RECORDS = _int_setting("KVSP_MAX_BATCH_RECORDS", 4096)
 KVSP_MAX_BLOCK_OCTETS = _int_setting("KVSP_MAX_BLOCK_OCTETS", 1024**3)
@@ -421,5 +424,7 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("KVSP_LOG_LEVEL", default="INFO")},
-    "loggers": {"django.request": {"level": "ERROR"}},
+    # httpx logs every request at INFO: a loader's hundreds a second would cost more than
+    # they tell.
+    "loggers": {"django.request": {"level": "ERROR"}, "httpx": {"level": "WARNING"}},
 }

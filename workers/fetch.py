@@ -10,9 +10,7 @@ is refused as a whole; nothing of it is kept.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -126,19 +124,6 @@ def release_lease(client: httpx.Client, lease: Lease) -> None:
         client.delete(f"{lease.holder}leases/{lease.grant.lease}", timeout=5.0)
     except httpx.HTTPError:
         pass  # it expires on its own after its TTL
-
-
-def in_threads(work: Callable[[httpx.Client], None], client: httpx.Client, count: int, name: str):
-    """Run ``work(client)`` on ``count`` threads at once and wait for them all: the loaders of
-    a prefetch or a reshard share one connection pool and take blocks from a common queue."""
-    threads = [
-        threading.Thread(target=work, args=(client,), name=f"{name}-{index}")
-        for index in range(count)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 @dataclass

@@ -55,7 +55,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import close_old_connections, connections
 from django.db.models import Q
 from django.utils import timezone
 
@@ -66,18 +65,14 @@ from kvsp.records import (
     DEFAULT_LIMITS,
     UINT32_MAX,
     InvalidRecord,
-    LeaseRequest,
-    ReplicaRecord,
     ReshardAbort,
     ReshardCommit,
     ReshardPlan,
     TokenRange,
 )
 from kvspsite.celery import enqueue, instance_queue
-from kvspsite.peers import PeerUnreachable, peer_client
-from workers import control, fetch, services
+from workers import fetch, loader, services
 from workers.models import MovePhase, ReshardMove, StoredBlock
-from workers.prefetch import LinkSample
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +323,9 @@ def load(move_pk: int) -> str:
 
 
 class MoveLoad:
-    """One run of loading a move's fetch ranges: the blocks not held yet, from their sources,
-    several at a time; the first failure stops the rest."""
+    """One run of loading a move's fetch ranges through the node's loader (``workers.loader``):
+    the blocks not held yet, from their sources, pending for the move; the first failure stops
+    the rest."""
 
     def __init__(self, move: ReshardMove):
         self.move = move
@@ -339,14 +335,6 @@ class MoveLoad:
         self.scope_id = bytes(move.scope_id)
         remaining_s = (move.deadline_at - timezone.now()).total_seconds()
         self.deadline = time.monotonic() + remaining_s
-        self.expected: dict[str, dict[str, ReplicaRecord]] = {}
-        self.leases: dict[str, fetch.Lease | None] = {}
-        self.by_source: dict[str, list[bytes]] = {}
-        self._source_locks: dict[str, threading.Lock] = {}
-        self.links: dict[str, LinkSample] = {}
-        self.error: str | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
 
     def run(self) -> str | None:
         """None when every fetch range is loaded, else why not."""
@@ -365,153 +353,49 @@ class MoveLoad:
                 block_key__in=[key for _, key in wanted],
             ).values_list("block_key", flat=True)
         }
+        by_source: dict[str, list[bytes]] = {}
         for source, key in wanted:
             if key not in have:
-                self.by_source.setdefault(source, []).append(key)
-        if not self.by_source:
+                by_source.setdefault(source, []).append(key)
+        if not by_source:
             return None
         # Taken from the sources in turn, so that every source sends at once (6.4 prices the
         # load as the slowest source's, not as the sum over sources).
-        columns = list(self.by_source.items())
+        columns = list(by_source.items())
         missing = [
             (source, keys[index])
             for index in range(max(len(keys) for _, keys in columns))
             for source, keys in columns
             if index < len(keys)
         ]
-        self._expect([key.hex() for _, key in missing])
-        queue = iter(missing)
-        queue_lock = threading.Lock()
+        run = loader.Loader(
+            self.move.instance,
+            self.compat_id,
+            self.scope_id,
+            [
+                loader.Wanted(index, key.hex(), (source,))
+                for index, (source, key) in enumerate(missing)
+            ],
+            deadline=self.deadline,
+            lease_ms=LEASE_MS,
+            label=f"reshard {self.move}",
+            pending_move_id=self.move.pk,
+            check=self._check,
+        ).run()
+        if run.decided:
+            return "the move was decided while it loaded"
+        if run.deadline_hit:
+            return f"the deadline of {self.plan.deadline_ms} ms passed while its blocks loaded"
+        if run.failure is not None:
+            [(source, reason)] = run.failure.reasons or [("its source", "not loaded")]
+            return f"block {run.failure.block_key} from {source}: {reason}"
+        return None
 
-        def loader(client) -> None:
-            try:
-                while not self._stop.is_set():
-                    with queue_lock:
-                        item = next(queue, None)
-                    if item is None:
-                        return
-                    self._load(client, *item)
-            except Exception:
-                log.exception("reshard %s: a loader failed", self.move)
-                self._fail("the instance failed while loading")
-            finally:
-                connections.close_all()
-
-        workers = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(missing)))
-        with peer_client() as client:
-            try:
-                fetch.in_threads(loader, client, workers, "reshard")
-            finally:
-                for lease in self.leases.values():
-                    if lease is not None:
-                        fetch.release_lease(client, lease)
-        for holder, sample in self.links.items():
-            if sample.octets:
-                services.do_record_link(
-                    self.move.instance,
-                    holder,
-                    rtt_us=sample.rtt_us,
-                    mbit_per_s=8 * sample.octets / sample.transfer_us,
-                )
-        return self.error
-
-    def _fail(self, reason: str) -> None:
-        with self._lock:
-            if self.error is None:
-                self.error = reason
-        self._stop.set()
-
-    def _expect(self, keys: list[str]) -> None:
-        """The records of the blocks to load, in one lookup (6.2); a block past the matched
-        prefix of the list is asked for on its own when it is loaded."""
-        try:
-            self.expected = control.lookup(self.compat_id, self.scope_id, keys)
-        except (PeerUnreachable, ProtocolError) as exc:
-            log.warning("reshard %s: lookup failed (%s)", self.move, exc)
-
-    def _record_at(self, key: str, source: str) -> ReplicaRecord | None:
-        records = self.expected.get(key)
-        if records is None or source not in records:
-            records = control.replicas(self.compat_id, self.scope_id, bytes.fromhex(key))
-            with self._lock:
-                self.expected[key] = records
-        return records.get(source)
-
-    def _lease_at(self, client, source: str) -> fetch.Lease | None:
-        """One lease per source for all the blocks fetched from it (6.6), taken by the first
-        loader that needs it, so that a slow source holds up only its own blocks; None when
-        the source refused it (its blocks are then leased one by one)."""
-        with self._lock:
-            lock = self._source_locks.setdefault(source, threading.Lock())
-        with lock:
-            if source not in self.leases:
-                request = LeaseRequest(
-                    compat_id=self.compat_id.hex(),
-                    scope_id=self.scope_id.hex(),
-                    block_keys=tuple(key.hex() for key in self.by_source[source]),
-                    ttl_ms=LEASE_MS,
-                )
-                try:
-                    self.leases[source] = fetch.take_lease(
-                        client, source, request, deadline=self.deadline
-                    )
-                except ProtocolError as exc:
-                    log.info("reshard lease at %s refused (%s): block by block", source, exc.detail)
-                    self.leases[source] = None
-            return self.leases[source]
-
-    def _load(self, client, source: str, key: bytes) -> None:
-        """Fetch one block from its source, verify it, and keep it pending for the move."""
-        what = f"block {key.hex()} from {source}"
-        lease = None
-        try:
-            record = self._record_at(key.hex(), source)
-            if record is None:
-                return self._fail(f"{what}: the Index Service lists no replica there")
-            ahead = self._lease_at(client, source)
-            if ahead is None or key.hex() not in ahead.grant.block_keys:
-                request = LeaseRequest(
-                    compat_id=record.compat_id,
-                    scope_id=record.scope_id,
-                    block_keys=(key.hex(),),
-                    ttl_ms=LEASE_MS,
-                )
-                lease = fetch.take_lease(client, source, request, deadline=self.deadline)
-            fetched = fetch.fetch_block(
-                client,
-                source,
-                record,
-                max_size=settings.KVSP_MAX_BLOCK_OCTETS,
-                deadline=self.deadline,
+    def _check(self, fetched: fetch.FetchedBlock) -> None:
+        if fetched.container.token_count != self.blocks.block_tokens:
+            raise ProtocolError(
+                "kvsp-invalid-container",
+                f"{fetched.container.token_count} tokens, the plan's blocks hold "
+                f"{self.blocks.block_tokens}",
             )
-            if fetched.container.token_count != self.blocks.block_tokens:
-                return self._fail(
-                    f"{what}: {fetched.container.token_count} tokens, the plan's blocks hold "
-                    f"{self.blocks.block_tokens}"
-                )
-            services.check_container(fetched.container, self.compat_id)
-            fields = services.BlockFields(
-                codec=fetched.container.codec,
-                size=fetched.size,
-                token_count=fetched.container.token_count,
-                layer_count=fetched.container.layer_count,
-                layer_digests=fetched.layer_digests,
-                repr_sha256=fetched.repr_sha256,
-            )
-            ids = (self.compat_id, self.scope_id, key)
-            if not services.do_store_pending(self.move.pk, ids, [fetched.buffer], fields):
-                # Decided while the block travelled: nothing more is kept for the move.
-                return self._fail("the move was decided while it loaded")
-        except fetch.DeadlineExpired:
-            return self._fail(
-                f"the deadline of {self.plan.deadline_ms} ms passed while {what} loaded"
-            )
-        except (ProtocolError, PeerUnreachable) as exc:
-            detail = exc.detail if isinstance(exc, ProtocolError) else str(exc)
-            return self._fail(f"{what}: {detail}")
-        finally:
-            if lease is not None:
-                fetch.release_lease(client, lease)
-            close_old_connections()
-        with self._lock:
-            self.links.setdefault(source, LinkSample()).add(fetched)
+        services.check_container(fetched.container, self.compat_id)

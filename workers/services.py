@@ -43,7 +43,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Sum
 from django.utils import timezone
 
 from index.authz import may_read_scope
@@ -596,7 +596,7 @@ def do_store_exported(blocks: list[tuple[BlockIds, object]], token_count: int) -
     """Admit blocks of ``token_count`` tokens the instance's engine exported (each an
     ``EncodedContainer`` of every layer, codec raw), in one transaction under one lock; a
     replica already held stays as it is. Returns the ids of the rows newly stored, whose
-    records the caller publishes (``publish_current``), so that many publish at once."""
+    records the caller publishes (``publish_all``), so that many publish at once."""
     name = selectors.node_name()
     prepared = []
     for ids, encoded in blocks:
@@ -626,17 +626,26 @@ def do_store_exported(blocks: list[tuple[BlockIds, object]], token_count: int) -
             tiers.unlink_quietly(path)
 
 
-def _place_many_locked(name: str, prepared: list, placed: list[Path]) -> list[int]:
+def _place_many_locked(
+    name: str,
+    prepared: list,
+    placed: list[Path],
+    *,
+    pending_move_id: int | None = None,
+    devices: dict | None = None,
+) -> list[int]:
     """Place received blocks under the node's lock (see ``_place_locked``); the ids of the rows
     newly stored. When they all fit in the host tier as it is, nothing moves or leaves, and
-    they go in with a few statements in all rather than a few each."""
+    they go in with a few statements in all rather than a few each. ``devices`` maps the ids of
+    blocks the device tier takes a working copy of to that copy's installer."""
+    devices = devices or {}
     existing = StoredBlock.objects.filter(
         instance=name, block_key__in=[ids[2] for ids, _, _ in prepared]
     )
     wanted = {ids for ids, _, _ in prepared}
     held = set()
     for block in existing:
-        if block.ids in wanted and block.pending_move_id is not None:
+        if block.ids in wanted and block.pending_move_id is not None and pending_move_id is None:
             _hold_pending(block)
         held.add(block.ids)
     fresh, seen = [], set()
@@ -649,7 +658,14 @@ def _place_many_locked(name: str, prepared: list, placed: list[Path]) -> list[in
         stored = []
         for ids, spool, fields in fresh:
             block, created = _place_locked(
-                name, ids, spool, fields, exists_ok=True, device=None, placed=placed
+                name,
+                ids,
+                spool,
+                fields,
+                exists_ok=True,
+                device=devices.get(ids),
+                placed=placed,
+                pending_move_id=pending_move_id,
             )
             if created:
                 stored.append(block.pk)
@@ -660,8 +676,12 @@ def _place_many_locked(name: str, prepared: list, placed: list[Path]) -> list[in
         path = tiers.block_path(tiers.HOST, name, ids)
         tiers.place_file(spool, path)
         placed.append(path)
-        rows.append(_stored_block(name, ids, fields, tiers.HOST, now))
+        rows.append(_stored_block(name, ids, fields, tiers.HOST, now, pending_move_id))
     created = StoredBlock.objects.bulk_create(rows)
+    for row in created:
+        device = devices.get(row.ids)
+        if device is not None:
+            _admit_to_device(name, row, device())
     for compat_id, scope_id in {(ids[0], ids[1]) for ids, _, _ in fresh}:
         PendingWithdrawal.objects.filter(
             instance=name,
@@ -672,27 +692,69 @@ def _place_many_locked(name: str, prepared: list, placed: list[Path]) -> list[in
     return [row.pk for row in created]
 
 
-def do_store_fetched(
-    ids: BlockIds,
-    parts,
-    container: Container,
-    fields: BlockFields,
-    device_tier: tiers.DeviceTier | None = None,
-) -> tuple[StoredBlock, bool]:
-    """Admit a block a prefetch retrieved and verified; the worker's device tier takes a
-    working copy of its leading layers when the compat's geometry is known."""
-    name = selectors.node_name()
-    device = None
+@dataclass
+class LoadedBlock:
+    """A block a loader retrieved and verified, written to a spool file in the host tier, with
+    the device tier's working copy of it when the worker keeps one (``install`` holds it)."""
+
+    ids: BlockIds
+    spool: Path
+    fields: BlockFields
+    install: Callable[[], tiers.DeviceAdmission] | None = None
+
+
+def prepare_device_copy(ids: BlockIds, container: Container, device_tier) -> Callable | None:
+    """The device tier's working copy of a loaded block's leading layers, made before the block
+    is admitted (so the copying holds up nobody), when the compat's geometry is known; the
+    function that installs it."""
     geometry = control.geometry(ids[0]) if device_tier is not None else None
-    if geometry is not None:
-        geometry.check(container)
-        prepared = device_tier.prepare(container, geometry)
+    if geometry is None:
+        return None
+    geometry.check(container)
+    prepared = device_tier.prepare(container, geometry)
+    return lambda: device_tier.install(ids, prepared)
 
-        def device():
-            return device_tier.install(ids, prepared)
 
-    spool = tiers.write_spool(name, parts)
-    return _admit(name, ids, spool, fields, exists_ok=True, device=device)
+def do_admit_loaded(blocks: list[LoadedBlock], pending_move_id: int | None = None):
+    """Admit a batch of loaded blocks in one transaction under one lock of the node; a replica
+    held already stays as it is. Returns the ids of the rows newly stored, whose records the
+    caller publishes (``publish_all``). With ``pending_move_id`` the blocks are pending for
+    that reshard move (not published); None when the move is no longer preparing (decided while
+    the blocks travelled): nothing is kept. The spool files are gone afterwards either way."""
+    name = selectors.node_name()
+    prepared = [(block.ids, block.spool, block.fields) for block in blocks]
+    devices = {block.ids: block.install for block in blocks if block.install is not None}
+    placed: list[Path] = []
+    try:
+        with transaction.atomic():
+            lock_node(name)
+            if pending_move_id is not None:
+                move = ReshardMove.objects.filter(pk=pending_move_id, phase=MovePhase.PREPARING)
+                if not move.exists():
+                    return None
+            stored = _place_many_locked(
+                name, prepared, placed, pending_move_id=pending_move_id, devices=devices
+            )
+            if pending_move_id is None and stored:
+                # The loader publishes these itself at once; the keeper only if it cannot.
+                StoredBlock.objects.filter(pk__in=stored).update(
+                    refresh_due_at=timezone.now() + PUBLISH_RETRY
+                )
+            if pending_move_id is not None and stored:
+                octets = StoredBlock.objects.filter(pk__in=stored).aggregate(total=Sum("size"))[
+                    "total"
+                ]
+                ReshardMove.objects.filter(pk=pending_move_id).update(
+                    fetched_blocks=F("fetched_blocks") + len(stored),
+                    fetched_octets=F("fetched_octets") + octets,
+                )
+        placed.clear()
+        return stored
+    finally:
+        for block in blocks:
+            tiers.unlink_quietly(block.spool)
+        for path in placed:
+            tiers.unlink_quietly(path)
 
 
 def _intact(block: StoredBlock) -> bool:
@@ -1124,42 +1186,6 @@ def _keep_wanted(name: str, map_id: str, wanted: set[str]) -> None:
             if not remaining:
                 earlier.finished_at = timezone.now()
             earlier.save(update_fields=["owed_release", "finished_at"])
-
-
-def do_store_pending(move_id: int, ids: BlockIds, parts, fields: BlockFields) -> bool:
-    """Admit a block fetched for a reshard move, pending for it; a block the node holds already
-    stays as it is. False when the move is no longer preparing (decided while the block
-    travelled): nothing is kept."""
-    name = selectors.node_name()
-    spool = tiers.write_spool(name, parts)
-    placed: list[Path] = []
-    try:
-        with transaction.atomic():
-            lock_node(name)
-            move = ReshardMove.objects.filter(pk=move_id, phase=MovePhase.PREPARING).first()
-            if move is None:
-                return False
-            _, created = _place_locked(
-                name,
-                ids,
-                spool,
-                fields,
-                exists_ok=True,
-                device=None,
-                placed=placed,
-                pending_move_id=move_id,
-            )
-            if created:
-                ReshardMove.objects.filter(pk=move_id).update(
-                    fetched_blocks=F("fetched_blocks") + 1,
-                    fetched_octets=F("fetched_octets") + fields.size,
-                )
-        placed.clear()
-        return True
-    finally:
-        tiers.unlink_quietly(spool)
-        for path in placed:
-            tiers.unlink_quietly(path)
 
 
 def do_finish_loading(move_id: int, error: str = "") -> None:

@@ -3,6 +3,7 @@ whole container or of a layer range, Repr-Digest, Cache-Control, misses and scop
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -12,8 +13,10 @@ import pytest
 
 from kvsp.container import decode
 from kvsp.reprdigest import repr_digest_header, verify_repr_digest
+from kvspsite.processes import run_manage
 from tests.node.conftest import REPLICA_TTL_MS
 from tests.node.support import BLOCK, container, layer_digests, problem, random_key, sha256
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -326,3 +329,31 @@ def test_a_large_container_streams_both_ways(cluster):
     part = api.get_block(compat, cluster.scope_a, key, layers="6-7")
     verify_repr_digest(part.headers["repr-digest"], part.content)
     assert bytes(decode(part.content).layer(7)[1]) == bytes([107]) * (256 << 10)
+
+
+def test_a_revoked_token_stops_reading_and_leasing_blocks(cluster, role_env):
+    """Block and lease requests take a verified token as it was for a short while
+    (KVSP_AUTH_CACHE_S); a revocation still takes effect: the token is refused afterwards."""
+    name, env = f"reader-{random_key()[:8]}", role_env()
+    created = run_manage("kvsp_principal", "create", name, "--scope", cluster.scope_a, env=env)
+    assert created.returncode == 0, created.stderr
+    api = cluster.node("n1").api(json.loads(created.stdout)["token"])
+    key = random_key()
+    assert api.put_block(cluster.compat, cluster.scope_a, key, container(90)).status_code == 201
+    assert api.get_block(cluster.compat, cluster.scope_a, key).status_code == 200
+
+    revoked = run_manage("kvsp_principal", "revoke", name, env=env)
+    assert revoked.returncode == 0, revoked.stderr
+    # Each serving process may still take the token for KVSP_AUTH_CACHE_S after it last
+    # verified it: each request is asked until it is refused.
+    lease = {"compat_id": cluster.compat, "scope_id": cluster.scope_a, "block_keys": [key]}
+    for request in (
+        lambda: api.get_block(cluster.compat, cluster.scope_a, key),
+        lambda: api.post("leases", json={**lease, "ttl_ms": 1000}),
+    ):
+        refused = wait_until(
+            lambda request=request: (r := request()).status_code == 401 and r,
+            "the revoked token refused",
+            timeout=30,
+        )
+        assert problem(refused) == "kvsp-unauthenticated"

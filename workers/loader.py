@@ -1,0 +1,419 @@
+"""The one loader of blocks from peers, on the instance's worker: a prefetch directive (spec 6.5),
+the blocks of a resumed session (6.8, which the node loads as a directive), and a reshard move's
+fetch ranges (6.9).
+
+Per block, in the order given, at the first listed source that can serve it: hold a lease (6.6),
+retrieve the block in ascending layer order and verify it against that source's Replica Record
+from the Index Service (Repr-Digest, each layer digest, the replica digest), write it to a spool
+file in the host tier, and hand it on. A 404 at a source is a miss; a block that fails at one
+source is tried at the next; nothing of a refused block is kept.
+
+The protocol's work is batched, so that the cost per block approaches that of moving and
+verifying its octets:
+
+- one lease per source for all the blocks that list it first, taken by the first fetcher that
+  needs it (a slow source holds up only its own blocks); a source that refuses it (it lacks one
+  of them, or its quota is short) is leased block by block;
+- ``parallel`` fetchers share one pool of kept-alive connections, so GETs are in flight together
+  and one block's verification (hashlib releases the GIL on large buffers) overlaps the others'
+  transfers;
+- the calling thread admits what the fetchers have ready to the tier store as one batch, in one
+  transaction under one lock of the node, publishes the batch's records (``publish_all``)
+  and reports the batch (a directive's progress is one UPDATE per batch); while it does, the
+  fetchers go on, so the next batch is whatever arrived meanwhile.
+
+Loading stops at the deadline, at a block no source can serve (keys are chained, 4.2: the blocks
+after it are of no use to a prefix) or, for a reshard move, when the move is decided meanwhile;
+what was fetched by then is still admitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.db import connections
+
+from kvsp.problems import ProtocolError
+from kvsp.records import LeaseRequest, ReplicaRecord
+from kvspsite.peers import PeerUnreachable, peer_client
+from workers import control, fetch, services, tiers
+
+log = logging.getLogger(__name__)
+
+# The most blocks, and octets, one admission takes: a batch waits for nothing, it is what the
+# fetchers had ready, and this bounds the octets fetched ahead of the tier store.
+BATCH_BLOCKS = 256
+BATCH_OCTETS = 256 << 20
+# Blocks fetched and not admitted yet, at most: past it, the fetchers wait for the admitter.
+AHEAD_BLOCKS = 2 * BATCH_BLOCKS
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A block to load: its position among the blocks asked for (the first failure, by
+    position, is the one reported), its key, and its sources in the order to try them."""
+
+    index: int
+    block_key: str
+    sources: tuple[str, ...]
+
+
+@dataclass
+class Failure:
+    """Why a block could not be loaded: (source, reason) for every source tried."""
+
+    index: int
+    block_key: str
+    reasons: list[tuple[str, str]] = field(default_factory=list)
+
+    def detail(self) -> str:
+        tried = "; ".join(f"{source}: {reason}" for source, reason in self.reasons)
+        return f"no source could serve block {self.block_key}: {tried or 'no source was listed'}"
+
+
+@dataclass
+class LinkSample:
+    """What one load saw of one source, folded into the measured link at the end: the
+    quickest response head of its GETs as the round trip, and the octets over the time spent
+    receiving them as the rate (per connection: loads running side by side each count)."""
+
+    rtt_us: float = float("inf")
+    octets: int = 0
+    transfer_us: float = 0.0
+
+    def add(self, fetched: fetch.FetchedBlock) -> None:
+        self.rtt_us = min(self.rtt_us, fetched.first_byte_s * 1e6)
+        self.octets += fetched.size
+        self.transfer_us += max((fetched.elapsed_s - fetched.first_byte_s) * 1e6, 1.0)
+
+
+class _Refused(Exception):
+    """One source could not serve one block (the next source is tried)."""
+
+
+@dataclass
+class _Arrival:
+    wanted: Wanted
+    block: services.LoadedBlock
+
+
+_DONE = object()  # a fetcher's last word on the queue
+
+
+class Loader:
+    """One run of loading blocks into this node. ``check`` may refuse a verified block
+    (raising ProtocolError) before it is kept; ``on_batch`` is told the keys of every batch
+    admitted; ``pending_move_id`` admits the blocks pending for that reshard move, unpublished.
+    """
+
+    def __init__(
+        self,
+        instance: str,
+        compat_id: bytes,
+        scope_id: bytes,
+        wanted: list[Wanted],
+        *,
+        deadline: float,
+        lease_ms: int,
+        label: str,
+        device_tier: tiers.DeviceTier | None = None,
+        pending_move_id: int | None = None,
+        check: Callable[[fetch.FetchedBlock], None] | None = None,
+        on_batch: Callable[[list[str]], None] | None = None,
+    ):
+        self.instance = instance
+        self.compat_id = compat_id
+        self.scope_id = scope_id
+        self.wanted = wanted
+        self.deadline = deadline
+        self.lease_ms = lease_ms
+        self.label = label
+        self.device_tier = device_tier
+        self.pending_move_id = pending_move_id
+        self.check = check
+        self.on_batch = on_batch
+        # What the run came to.
+        self.loaded: set[str] = set()
+        self.failure: Failure | None = None
+        self.deadline_hit = False
+        self.decided = False
+        self.links: dict[str, LinkSample] = {}
+        self._expected: dict[str, dict[str, ReplicaRecord]] = {}
+        self._leases: dict[str, fetch.Lease | None] = {}
+        self._lease_keys: dict[str, list[str]] = {}
+        self._source_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._arrivals: queue.Queue = queue.Queue(maxsize=AHEAD_BLOCKS)
+        self._running = 0  # fetchers that have not said _DONE yet
+
+    # -- driving ---------------------------------------------------------------------------
+
+    def run(self) -> Loader:
+        if not self.wanted:
+            return self
+        for item in self.wanted:
+            first = next((s for s in item.sources if s != settings.KVSP_PUBLIC_URL), None)
+            if first is not None:
+                self._lease_keys.setdefault(first, []).append(item.block_key)
+        self._expect([item.block_key for item in self.wanted])
+        work = iter(self.wanted)
+        work_lock = threading.Lock()
+        count = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(self.wanted)))
+        with peer_client() as client:
+            threads = [
+                threading.Thread(
+                    target=self._fetcher,
+                    args=(client, work, work_lock),
+                    name=f"{self.label}-fetch-{index}",
+                )
+                for index in range(count)
+            ]
+            for thread in threads:
+                thread.start()
+            self._running = count
+            try:
+                self._admit_arrivals()
+            finally:
+                self._stop.set()
+                self._discard_arrivals()
+                for thread in threads:
+                    thread.join()
+                for lease in self._leases.values():
+                    if lease is not None:
+                        fetch.release_lease(client, lease)
+        for holder, sample in self.links.items():
+            if sample.octets:
+                services.do_record_link(
+                    self.instance,
+                    holder,
+                    rtt_us=sample.rtt_us,
+                    mbit_per_s=8 * sample.octets / sample.transfer_us,
+                )
+        return self
+
+    def _fail(self, failure: Failure) -> None:
+        with self._lock:
+            if self.failure is None or failure.index < self.failure.index:
+                self.failure = failure
+        self._stop.set()
+
+    def _expect(self, keys: list[str]) -> None:
+        """The records of the blocks to load, in one lookup (6.2); a block past the matched
+        prefix of the list is asked for on its own when it is loaded."""
+        try:
+            self._expected = control.lookup(self.compat_id, self.scope_id, keys)
+        except (PeerUnreachable, ProtocolError) as exc:
+            log.warning("%s: lookup failed (%s)", self.label, exc)
+
+    # -- the calling thread: admission in batches --------------------------------------------
+
+    def _admit_arrivals(self) -> None:
+        """Admit what arrives, a batch at a time, until every fetcher has stopped."""
+        while self._running:
+            batch: list[_Arrival] = []
+            octets = 0
+            item = self._arrivals.get()
+            while True:
+                if item is _DONE:
+                    self._running -= 1
+                else:
+                    batch.append(item)
+                    octets += item.block.fields.size
+                if not self._running or len(batch) >= BATCH_BLOCKS or octets >= BATCH_OCTETS:
+                    break
+                try:
+                    item = self._arrivals.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._admit(batch)
+
+    def _discard_arrivals(self) -> None:
+        """After admission stopped early (it failed): what the fetchers still bring is not
+        kept, and none of them waits on a full queue."""
+        while self._running:
+            item = self._arrivals.get()
+            if item is _DONE:
+                self._running -= 1
+            else:
+                tiers.unlink_quietly(item.block.spool)
+
+    def _admit(self, batch: list[_Arrival]) -> None:
+        try:
+            if self.decided:
+                return
+            try:
+                stored = services.do_admit_loaded(
+                    [arrival.block for arrival in batch], self.pending_move_id
+                )
+            except ProtocolError as exc:
+                # The tier store refused the batch (no room): each block on its own, so that
+                # what fits is kept and the first that does not is the failure reported.
+                if len(batch) == 1:
+                    arrival = batch[0]
+                    self._fail(
+                        Failure(
+                            arrival.wanted.index,
+                            arrival.wanted.block_key,
+                            [("this instance", exc.detail)],
+                        )
+                    )
+                    return
+                for arrival in batch:
+                    self._admit([arrival])
+                return
+            if stored is None:
+                self.decided = True
+                self._stop.set()
+                return
+            keys = [arrival.wanted.block_key for arrival in batch]
+            with self._lock:
+                self.loaded.update(keys)
+            if self.pending_move_id is None:
+                services.publish_all(stored)
+            if self.on_batch is not None:
+                self.on_batch(keys)
+        finally:
+            for arrival in batch:
+                tiers.unlink_quietly(arrival.block.spool)
+
+    # -- the fetchers ------------------------------------------------------------------------
+
+    def _fetcher(self, client, work, work_lock) -> None:
+        item = None
+        try:
+            while not self._stop.is_set():
+                with work_lock:
+                    item = next(work, None)
+                if item is None:
+                    return
+                self._load(client, item)
+        except Exception:
+            log.exception("%s: a fetcher failed", self.label)
+            if item is not None:
+                self._fail(
+                    Failure(item.index, item.block_key, [("this instance", "it failed loading")])
+                )
+            self._stop.set()
+        finally:
+            connections.close_all()
+            self._arrivals.put(_DONE)
+
+    def _load(self, client, item: Wanted) -> None:
+        reasons = []
+        try:
+            for source in item.sources:
+                try:
+                    block = self._load_from(client, item.block_key, source)
+                except _Refused as exc:
+                    reasons.append((source, str(exc)))
+                    continue
+                self._arrivals.put(_Arrival(item, block))
+                return
+        except fetch.DeadlineExpired:
+            self.deadline_hit = True
+            self._stop.set()
+            return
+        self._fail(Failure(item.index, item.block_key, reasons))
+
+    def _record_at(self, block_key: str, source: str) -> ReplicaRecord | None:
+        records = self._expected.get(block_key)
+        if records is None or source not in records:
+            try:
+                records = control.replicas(self.compat_id, self.scope_id, bytes.fromhex(block_key))
+            except (PeerUnreachable, ProtocolError) as exc:
+                raise _Refused(f"the Index Service could not say where it is ({exc})") from exc
+            with self._lock:
+                self._expected[block_key] = records
+        return records.get(source)
+
+    def _lease_at(self, client, source: str) -> fetch.Lease | None:
+        """The lease at ``source`` for every block that lists it first, taken once; None when
+        the source refused it."""
+        keys = self._lease_keys.get(source)
+        if not keys:
+            return None
+        with self._lock:
+            lock = self._source_locks.setdefault(source, threading.Lock())
+        with lock:
+            if source not in self._leases:
+                request = LeaseRequest(
+                    compat_id=self.compat_id.hex(),
+                    scope_id=self.scope_id.hex(),
+                    block_keys=tuple(keys),
+                    ttl_ms=self.lease_ms,
+                )
+                try:
+                    self._leases[source] = fetch.take_lease(
+                        client, source, request, deadline=self.deadline
+                    )
+                except ProtocolError as exc:
+                    log.info(
+                        "%s: lease at %s refused (%s): block by block",
+                        self.label,
+                        source,
+                        exc.detail,
+                    )
+                    self._leases[source] = None
+            return self._leases[source]
+
+    def _load_from(self, client, block_key: str, source: str) -> services.LoadedBlock:
+        """Fetch and verify the block at one source and spool it; _Refused says why not."""
+        if source == settings.KVSP_PUBLIC_URL:
+            raise _Refused("this instance itself")
+        if time.monotonic() >= self.deadline:
+            raise fetch.DeadlineExpired("the deadline passed")
+        record = self._record_at(block_key, source)
+        if record is None:
+            raise _Refused("the Index Service lists no replica there")
+        ahead = self._lease_at(client, source)
+        lease = None
+        try:
+            if ahead is None or block_key not in ahead.grant.block_keys:
+                request = LeaseRequest(
+                    compat_id=record.compat_id,
+                    scope_id=record.scope_id,
+                    block_keys=(block_key,),
+                    ttl_ms=self.lease_ms,
+                )
+                lease = fetch.take_lease(client, source, request, deadline=self.deadline)
+            fetched = fetch.fetch_block(
+                client,
+                source,
+                record,
+                max_size=settings.KVSP_MAX_BLOCK_OCTETS,
+                deadline=self.deadline,
+            )
+            if self.check is not None:
+                self.check(fetched)
+            ids = (self.compat_id, self.scope_id, bytes.fromhex(block_key))
+            install = None
+            if self.pending_move_id is None:
+                install = services.prepare_device_copy(ids, fetched.container, self.device_tier)
+        except ProtocolError as exc:
+            log.warning(
+                "%s: block %s from %s refused: %s", self.label, block_key, source, exc.detail
+            )
+            raise _Refused(exc.detail) from exc
+        finally:
+            if lease is not None:
+                fetch.release_lease(client, lease)
+        fields = services.BlockFields(
+            codec=fetched.container.codec,
+            size=fetched.size,
+            token_count=fetched.container.token_count,
+            layer_count=fetched.container.layer_count,
+            layer_digests=fetched.layer_digests,
+            repr_sha256=fetched.repr_sha256,
+        )
+        spool = tiers.write_spool(self.instance, [fetched.buffer])
+        with self._lock:
+            self.links.setdefault(source, LinkSample()).add(fetched)
+        return services.LoadedBlock(ids, spool, fields, install)
