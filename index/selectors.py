@@ -137,6 +137,60 @@ def replica_rows_by_key(
     return found
 
 
+class ReplicaGroup(NamedTuple):
+    """The looked-up keys (by position) of which one holder has replicas of one shape: what the
+    cost model reads of them (placement.pricing.BlockTable)."""
+
+    holder: str
+    size: int
+    residency_json: str
+    positions: list[int]
+
+
+_SELECT_GROUPS = """
+SELECT h.url, r.size, r.residency, array_agg(k.position - 1)
+FROM unnest(%s::bytea[]) WITH ORDINALITY AS k(block_key, position)
+JOIN index_replica r ON r.block_key = k.block_key
+JOIN index_holder h ON h.id = r.holder_id
+WHERE r.scope_id = %s AND r.compat_id = %s AND r.expires_at > %s
+GROUP BY h.url, r.size, r.residency
+"""
+
+
+def replica_groups(
+    principal, compat_id: bytes, scope_id: bytes, keys: list[bytes], *, now=None
+) -> list[ReplicaGroup]:
+    """The unexpired replicas of ``keys`` grouped by holder and shape, for a principal (as
+    ``replica_rows_by_key`` judges it). Placement prices a prompt from these: on Postgres a
+    handful of rows, not one per replica, and none of the digests it does not read.
+    """
+    if not authz.may_read_scope(principal, scope_id):
+        return []
+    now = now or timezone.now()
+    if connection.vendor != "postgresql":
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        position = {key: p for p, key in enumerate(keys)}
+        for row in _rows_for_keys(compat_id, scope_id, keys, now):
+            groups[(row[1], row[3], row[6])].append(position[bytes(row[0])])
+        return [ReplicaGroup(*shape, positions) for shape, positions in groups.items()]
+    import psycopg
+
+    connection.ensure_connection()
+    with psycopg.Cursor(connection.connection) as cursor:
+        cursor.execute(_SELECT_GROUPS, [keys, scope_id, compat_id, now], binary=True)
+        return [ReplicaGroup(*row) for row in cursor.fetchall()]
+
+
+def matched_prefix_of_groups(count: int, groups: list[ReplicaGroup]) -> int:
+    """``matched_prefix`` of ``count`` keys from their groups: the first position none covers."""
+    covered = bytearray(count)
+    for group in groups:
+        for position in group.positions:
+            covered[position] = 1
+    gap = covered.find(0)
+    return count if gap < 0 else gap
+
+
 def matched_prefix(keys: list[bytes], found: dict[bytes, list]) -> int:
     """Leading keys with at least one replica; Block Keys are chained, so stop at the first gap."""
     for position, key in enumerate(keys):
