@@ -23,8 +23,7 @@ from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import PlacementRequest
 from kvspsite import metrics
-from kvspsite.celery import enqueue
-from placement import policy, pricing, services
+from placement import delivery, policy, pricing, services
 from placement.models import Directive, InstanceState
 from placement.selectors import candidates, matched_block_table
 
@@ -118,7 +117,7 @@ def do_place(principal, body: object, *, now=None) -> dict:
 
 
 def _send_directive(instance, request, scope_id, compat_id, blocks: list[dict]) -> str:
-    """Record the directive, then send it once the row is committed (a row before a task)."""
+    """Record the directive; once the row is committed, send it (a row before a message)."""
     with transaction.atomic():
         directive = Directive.objects.create(
             instance=instance,
@@ -129,11 +128,6 @@ def _send_directive(instance, request, scope_id, compat_id, blocks: list[dict]) 
             deadline_ms=settings.KVSP_PREFETCH_DEADLINE_MS,
             lease_ms=settings.KVSP_PREFETCH_LEASE_MS,
         )
-        transaction.on_commit(lambda: _enqueue_send(directive.pk))
+        document = directive.body()
+        transaction.on_commit(lambda: delivery.send_soon(directive.pk, document))
     return f"{instance.url}prefetch/{directive.directive}"
-
-
-def _enqueue_send(directive_id: int) -> None:
-    from placement.tasks import send_directive
-
-    enqueue(send_directive, directive_id)
