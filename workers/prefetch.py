@@ -33,26 +33,11 @@ from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
 from kvspsite.celery import RETRYABLE
 from kvspsite.peers import PeerUnreachable, peer_client
 from workers import control, fetch, selectors, services
+from workers.links import LinkMeter
 from workers.models import Directive, DirectiveState, Node, NodeState
 from workers.tiers import DeviceTier
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LinkSample:
-    """What one directive saw of one source, folded into the measured link at the end: the
-    quickest response head of its GETs as the round trip, and the octets over the time spent
-    receiving them as the rate (per connection: loads running side by side each count)."""
-
-    rtt_us: float = float("inf")
-    octets: int = 0
-    transfer_us: float = 0.0
-
-    def add(self, fetched: fetch.FetchedBlock) -> None:
-        self.rtt_us = min(self.rtt_us, fetched.first_byte_s * 1e6)
-        self.octets += fetched.size
-        self.transfer_us += max((fetched.elapsed_s - fetched.first_byte_s) * 1e6, 1.0)
 
 
 @dataclass
@@ -87,7 +72,7 @@ class DirectiveRun:
         self.loaded: set[str] = set()
         self.failure: _Failure | None = None
         self.deadline_hit = False
-        self.links: dict[str, LinkSample] = {}
+        self.links = LinkMeter()
         # Leases taken ahead at a source for every block that lists it first: source -> lease.
         self.leases: dict[str, fetch.Lease] = {}
         self._lock = threading.Lock()
@@ -112,7 +97,7 @@ class DirectiveRun:
         if missing and time.monotonic() < self.deadline:
             self._expect([block.block_key for _, block in missing])
             self._load_all(missing)
-            self._note_links()
+            self.links.record(self.name)
         if missing and time.monotonic() >= self.deadline and not self._all_loaded():
             self.deadline_hit = True
         if self._all_loaded():
@@ -283,21 +268,10 @@ class DirectiveRun:
             if lease is not None:
                 fetch.release_lease(client, lease)
             close_old_connections()
-        with self._lock:
-            self.links.setdefault(source, LinkSample()).add(fetched)
+        self.links.add(source, fetched.transfer)
         return None
 
     # -- the end -------------------------------------------------------------------------------
-
-    def _note_links(self) -> None:
-        for holder, sample in self.links.items():
-            if sample.octets:
-                services.do_record_link(
-                    self.name,
-                    holder,
-                    rtt_us=sample.rtt_us,
-                    mbit_per_s=8 * sample.octets / sample.transfer_us,
-                )
 
     def finish(self, event: DirectiveEvent, reason: str | None) -> str:
         with transaction.atomic():

@@ -66,8 +66,8 @@ from kvsp.records import (
 from kvspsite.celery import enqueue, instance_queue
 from kvspsite.peers import PeerUnreachable, peer_client
 from workers import control, fetch, services
+from workers.links import LinkMeter
 from workers.models import MovePhase, ReshardMove, StoredBlock
-from workers.prefetch import LinkSample
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class MoveLoad:
         self.leases: dict[str, fetch.Lease | None] = {}
         self.by_source: dict[str, list[bytes]] = {}
         self._source_locks: dict[str, threading.Lock] = {}
-        self.links: dict[str, LinkSample] = {}
+        self.links = LinkMeter()
         self.error: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -382,14 +382,7 @@ class MoveLoad:
                 for lease in self.leases.values():
                     if lease is not None:
                         fetch.release_lease(client, lease)
-        for holder, sample in self.links.items():
-            if sample.octets:
-                services.do_record_link(
-                    self.move.instance,
-                    holder,
-                    rtt_us=sample.rtt_us,
-                    mbit_per_s=8 * sample.octets / sample.transfer_us,
-                )
+        self.links.record(self.move.instance)
         return self.error
 
     def _fail(self, reason: str) -> None:
@@ -490,5 +483,4 @@ class MoveLoad:
             if lease is not None:
                 fetch.release_lease(client, lease)
             close_old_connections()
-        with self._lock:
-            self.links.setdefault(source, LinkSample()).add(fetched)
+        self.links.add(source, fetched.transfer)
