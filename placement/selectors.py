@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 from django.db.models import Avg, Count, DurationField, ExpressionWrapper, F, Max, Q, Sum
+from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
@@ -151,13 +152,18 @@ _PRICED_FIELDS = (
 def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
     """(instance, live status) of the instances in ``states`` that serve the compat id."""
     now = now or timezone.now()
-    live = Instance.objects.filter(state__in=states, expires_at__gt=now).exclude(last_status=None)
+    live = (
+        Instance.objects.filter(state__in=states, expires_at__gt=now)
+        .exclude(last_status=None)
+        .only(*_PRICED_FIELDS)
+        .annotate(status_links=KeyTransform("links", "last_status"))
+    )
     for instance in live:
         if not instance.serves(compat_id_hex):
             continue
         links = tuple(
             LinkFigures(link["holder"], link["mbit_per_s"], link["rtt_us"])
-            for link in instance.links
+            for link in instance.status_links
         )
         yield (
             instance,
