@@ -117,17 +117,17 @@ def do_place(principal, body: object, *, now=None) -> dict:
 
 
 def _send_directive(instance, request, scope_id, compat_id, blocks: list[dict]) -> str:
-    """Record the directive; once the row is committed, send it (a row before a message)."""
-    with transaction.atomic():
-        directive = Directive.objects.create(
-            instance=instance,
-            request_ref=request.request_ref or "",
-            scope_id=scope_id,
-            compat_id=compat_id,
-            blocks=blocks,
-            deadline_ms=settings.KVSP_PREFETCH_DEADLINE_MS,
-            lease_ms=settings.KVSP_PREFETCH_LEASE_MS,
-        )
-        document = directive.body()
-        transaction.on_commit(lambda: delivery.send_soon(directive.pk, document))
+    """Record the directive (one INSERT); once it is committed, send it (a row before a
+    message)."""
+    directive = Directive.objects.create(
+        instance=instance,
+        request_ref=request.request_ref or "",
+        scope_id=scope_id,
+        compat_id=compat_id,
+        blocks=blocks,
+        deadline_ms=settings.KVSP_PREFETCH_DEADLINE_MS,
+        lease_ms=settings.KVSP_PREFETCH_LEASE_MS,
+    )
+    document = directive.body()
+    transaction.on_commit(lambda: delivery.send_soon(directive.pk, document))
     return f"{instance.url}prefetch/{directive.directive}"

@@ -53,6 +53,14 @@ def test_directive_is_sent_to_the_chosen_instance_and_followed(
     assert directive.status_url == f"{node.url}prefetch/{directive.directive}"
 
 
+@pytest.fixture
+def controller_server(cluster, controller_env, start_process):
+    """The control plane as its own process, with no Celery worker; 4 blocks published."""
+    env, _ = controller_env
+    cluster.publish(4)
+    return start_process("server", "control", env, workers=1)
+
+
 def place_over_http(server, cluster) -> dict:
     document = {
         "scope_id": cluster.scope.scope_id_hex,
@@ -66,15 +74,10 @@ def place_over_http(server, cluster) -> dict:
     return response.json()
 
 
-def test_the_controller_sends_a_directive_itself_with_no_worker_running(
-    cluster, controller_env, start_process
-):
-    env, _ = controller_env
-    server = start_process("server", "control", env, workers=1)
-    cluster.publish(4)
+def test_the_controller_sends_a_directive_itself_with_no_worker_running(cluster, controller_server):
     with StandinNode() as node:
         node_at(node, "ii1", cluster.scope)
-        answer = place_over_http(server, cluster)
+        answer = place_over_http(controller_server, cluster)
         (sent,) = node.wait_for("POST", "/kvsp/prefetch")
         wait_until(lambda: Directive.objects.get().sent_at is not None, "directive sent")
     directive = Directive.objects.get()
@@ -85,17 +88,15 @@ def test_the_controller_sends_a_directive_itself_with_no_worker_running(
 
 
 def test_a_directive_for_an_instance_that_is_down_is_delivered_once_it_is_back(
-    cluster, controller_env, start_process
+    cluster, controller_env, controller_server, start_process
 ):
     env, _ = controller_env
-    server = start_process("server", "control", env, workers=1)
-    cluster.publish(4)
     with StandinNode() as gone:
         node_at(gone, "ii1", cluster.scope)
         url, port = gone.url, gone.port
-    answer = place_over_http(server, cluster)  # nobody listens at the instance's URL
+    answer = place_over_http(controller_server, cluster)  # nobody listens at the instance's URL
     assert answer["directive"].startswith(url)
-    wait_until(lambda: "not delivered at once" in server.log(), "the attempt failed")
+    wait_until(lambda: "not delivered at once" in controller_server.log(), "the attempt failed")
     assert Directive.objects.get().sent_at is None
     with StandinNode(port=port) as node:
         start_process("worker", "control-worker", env, queues=["control"])
