@@ -21,6 +21,8 @@ build them:
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import njit
 
@@ -144,3 +146,27 @@ def plan_sources(i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, u
         i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column, ranked
     )
     return loadable, ranked
+
+
+def warm_in_background() -> None:
+    """Compile the loops (seconds; then cached on disk and loaded in a fraction of one) as a
+    serving process starts rather than on its first placement or failover. Call it only in a
+    process that will not fork: a fork while the compiler's lock is held would leave the child
+    waiting on it for ever."""
+    threading.Thread(target=warm, name="kvsp-fetchplan", daemon=True).start()
+
+
+def warm() -> None:
+    """Compile (or load from the cache) both entry points with a plan of one block."""
+    arrays = (
+        np.zeros((1, 1), dtype=np.int32),
+        np.ones(1, dtype=np.int64),
+        np.ones((1, 1), dtype=np.int64),
+        np.zeros((1, 1)),
+        np.ones((1, 1)),
+        np.zeros((1, 1)),
+        np.ones((1, 1), dtype=bool),
+        np.full(1, -1, dtype=np.int64),
+    )
+    plan_fleet(*arrays)
+    plan_sources(0, *arrays)

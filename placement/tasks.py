@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from celery.signals import worker_process_init, worker_ready
 from django.conf import settings
 from django.db.models import F, Q
 from django.utils import timezone
@@ -16,7 +17,7 @@ from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveState as DirectiveStateRecord
 from kvspsite.celery import add_housekeeping, kvsp_task
 from kvspsite.peers import call, peer_client, raise_for_problem
-from placement import delivery, resharding, services
+from placement import delivery, fetchplan, resharding, services
 from placement.models import (
     Directive,
     DirectiveState,
@@ -154,3 +155,17 @@ add_housekeeping(
 add_housekeeping("prune-status-samples", "placement.prune_samples", 300.0)
 add_housekeeping("resume-reshards", "placement.resume_reshards", 10.0)
 add_housekeeping("resend-pending", "placement.resend_pending", 10.0)
+
+
+@worker_process_init.connect
+def _warm_in_pool_process(**_) -> None:
+    if settings.KVSP_ROLE == "control":
+        fetchplan.warm_in_background()
+
+
+@worker_ready.connect
+def _warm_in_worker(sender=None, **_) -> None:
+    # A prefork worker's parent forks pool processes: they warm themselves (above).
+    pool = getattr(sender, "pool", None)
+    if settings.KVSP_ROLE == "control" and "prefork" not in type(pool).__module__:
+        fetchplan.warm_in_background()

@@ -69,7 +69,9 @@ def place_over_http(server, cluster) -> dict:
         "request_ref": "router-req-1",
     }
     headers = {"Authorization": f"Bearer {cluster.router.token}"}
-    response = httpx.post(f"{server.url}/kvsp/placements", json=document, headers=headers)
+    response = httpx.post(
+        f"{server.url}/kvsp/placements", json=document, headers=headers, timeout=60
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -92,7 +94,8 @@ def test_a_directive_for_an_instance_that_is_down_is_delivered_once_it_is_back(
 ):
     env, _ = controller_env
     with StandinNode() as gone:
-        node_at(gone, "ii1", cluster.scope)
+        # Its status outlives the wait (beat fails an instance whose record expires).
+        node_at(gone, "ii1", cluster.scope, ttl_ms=600_000)
         url, port = gone.url, gone.port
     answer = place_over_http(controller_server, cluster)  # nobody listens at the instance's URL
     assert answer["directive"].startswith(url)
