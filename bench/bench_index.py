@@ -7,10 +7,13 @@ With 1,000,000 replica rows (32 layer digests each) in a fresh database, served 
   probe for the same number of keys when none exist;
   targets: end-to-end median <= 2x (a), and (a) <= 2x (b);
 - publishes per second with 2 gunicorn workers (target 1,000/s) and lookups per second, driven
-  by wrk from a second process.
+  by wrk from a second process;
+- records per second published through the batch form (``POST replicas``, batches of
+  ``--batch`` records, as large as fit the default body limit), against the single PUTs above,
+  same server, same records, same connections (target >= 25x).
 
-Run: .venv/bin/python bench/bench_index.py [--rows N]   (needs Postgres on 127.0.0.1; installs
-wrk from Debian's packages when it is missing)
+Run: .venv/bin/python bench/bench_index.py [--rows N] [--batch N]   (needs Postgres on
+127.0.0.1; installs wrk from Debian's packages when it is missing)
 """
 
 from __future__ import annotations
@@ -157,6 +160,23 @@ def write_wrk_script(directory, name, token, requests):
 
 
 def publish_requests(scope_hex, holder, count):
+    out = []
+    for record in replica_records(scope_hex, holder, count):
+        out.append(
+            ("PUT", f"/kvsp/replicas/{COMPAT.hex()}/{scope_hex}/{record['block_key']}", record)
+        )
+    return out
+
+
+def batch_requests(scope_hex, holder, count, batch):
+    records = replica_records(scope_hex, holder, count)
+    return [
+        ("POST", "/kvsp/replicas", {"records": records[start : start + batch]})
+        for start in range(0, count, batch)
+    ]
+
+
+def replica_records(scope_hex, holder, count):
     import hashlib
 
     out = []
@@ -175,7 +195,7 @@ def publish_requests(scope_hex, holder, count):
             "residency": [{"tier": "host", "layers": [0, LAYERS - 1]}],
             "ttl_ms": 600000,
         }
-        out.append(("PUT", f"/kvsp/replicas/{COMPAT.hex()}/{scope_hex}/{key}", record))
+        out.append(record)
     return out
 
 
@@ -184,6 +204,7 @@ def main():
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=1024, help="records per batch publication")
     args = parser.parse_args()
     wrk_bin = ensure_wrk()
     env = dict(os.environ)
@@ -218,7 +239,11 @@ def main():
                 def over_http(body=body):
                     # Latency is until the whole answer has arrived; parsing is the client's.
                     # http.client reads a large body at C speed, so the client adds little.
-                    lookup_conn.request("POST", "/kvsp/lookup", body, headers)
+                    try:
+                        lookup_conn.request("POST", "/kvsp/lookup", body, headers)
+                    except OSError:  # the server closed the kept-alive connection: reopen
+                        lookup_conn.close()
+                        lookup_conn.request("POST", "/kvsp/lookup", body, headers)
                     answer = lookup_conn.getresponse()
                     content = answer.read()
                     assert answer.status == 200, content[:200]
@@ -271,6 +296,28 @@ def main():
                 f"  publishes: {rate:7.0f}/s with 2 gunicorn workers, {errors} errors "
                 f"(target >= 1000/s, ratio {rate / 1000:.2f})"
             )
+            batches = write_wrk_script(
+                directory,
+                "batches",
+                token,
+                # As many distinct batches as connections and more, so that no two requests
+                # at once refresh the same rows (the single PUTs' 2,000 records rarely do).
+                batch_requests(scope_hex, holder, 32 * args.batch, args.batch),
+            )
+            # With the single PUTs' 16 connections, and with 2: a holder publishing in batches
+            # needs few connections to keep the server busy, where single PUTs need many to hide
+            # each round trip.
+            for connections in (16, 2):
+                batch_rate, batch_errors = wrk(
+                    wrk_bin, server.url, batches, args.seconds, connections=connections
+                )
+                batch_records = batch_rate * args.batch
+                print(
+                    f"  batch publication, {connections:2d} connections: {batch_records:7.0f} "
+                    f"records/s in batches of {args.batch} ({batch_rate:.1f} requests/s), "
+                    f"{batch_errors} errors; ratio to single PUTs {batch_records / rate:.1f} "
+                    "(target >= 25)"
+                )
             lookups = []
             for n in range(200):
                 start = (n * 997) % (args.rows - 64)

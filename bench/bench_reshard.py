@@ -246,9 +246,12 @@ def run(options, cluster: BenchCluster) -> None:
             time.sleep(0.01)
         wall = time.perf_counter() - began
         assert operation["state"] == "committed", operation
-        row = ReshardOperation.objects.get(shard_map__map=map_id, to_version=version)
+        # The committed try of the move (an aborted one, if any, is a row of its own).
+        row = ReshardOperation.objects.get(
+            shard_map__map=map_id, to_version=version, phase="committed"
+        )
         prepare = (row.decided_at - row.started_at).total_seconds()
-        moves = ReshardMove.objects.filter(map=map_id, to_version=version)
+        moves = ReshardMove.objects.filter(map=map_id, to_version=version, phase="committed")
         moved = sum(move.fetched_octets for move in moves)
         load = max(
             (move.loaded_at - move.received_at).total_seconds() for move in moves if move.fetch_keys

@@ -80,6 +80,7 @@ class Fleet:
             kv_heads=options.kv_heads,
             max_positions=max(4096, options.prefix + 512),
         )
+        self.model_dir = model_dir
         descriptor = reference_descriptor(model_dir, block_tokens=BLOCK_TOKENS)
         self.compat = compat_id_hex(descriptor)
         do_register_descriptor(descriptor, self.compat)
@@ -298,11 +299,30 @@ def completed(session: str) -> None:
     )
 
 
+def bare_prefill_s(model_dir: Path, tokens: list[int]) -> float:
+    """A bare transformers forward over ``tokens`` on this machine (best of 3): what the
+    recomputed time to first token is compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    ids = torch.tensor([tokens])
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            started = time.perf_counter()
+            model(ids, use_cache=True)
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
 def ttft(fleet: Fleet, options, rng: random.Random) -> None:
     from workers.models import Directive, ServedSession
 
     vocab = 256
-    loaded, recomputed, loads = [], [], []
+    loaded, recomputed, loads, bare = [], [], [], []
     for repeat in range(options.repeat):
         prefix = [rng.randrange(3, vocab) for _ in range(options.prefix)]
         warm = str(uuid.uuid4())
@@ -328,6 +348,7 @@ def ttft(fleet: Fleet, options, rng: random.Random) -> None:
             other = str(uuid.uuid4())
             generate(fleet, key, other, fresh, 1)
             recomputed.append(first_token_at(other) - started)
+            bare.append(bare_prefill_s(fleet.model_dir, fresh))
             computed = ServedSession.objects.get(session=other)
             print(
                 f"  repeat {repeat + 1}: on {key}, loaded {served.loaded_blocks} blocks "
@@ -351,7 +372,10 @@ def ttft(fleet: Fleet, options, rng: random.Random) -> None:
             )
         )
     rows.append(("recomputed", median_recomputed * 1e3, "ms"))
-    rows.append(("loaded / recomputed", median_loaded / median_recomputed, ""))
+    median_bare = statistics.median(bare)
+    rows.append(("bare transformers prefill of the same tokens", median_bare * 1e3, "ms"))
+    rows.append(("recomputed / bare prefill (target <= 1.3)", median_recomputed / median_bare, ""))
+    rows.append(("loaded / recomputed (target <= 0.5)", median_loaded / median_recomputed, ""))
     for label, value, unit in rows:
         print(f"  {label:<52} {value:9.2f} {unit}")
 

@@ -26,17 +26,42 @@ def may_publish_for(principal, holder_url: str) -> bool:
     return Instance.objects.filter(name=principal.instance, url=holder_url).exists()
 
 
-def check_may_publish(principal, record) -> None:
+def publishable_holders(principal, holder_urls) -> frozenset[str]:
+    """Which of ``holder_urls`` the principal may publish for (``may_publish_for`` of each, in
+    one query at most), for a batch that names many records of few holders."""
+    wanted = set(holder_urls)
+    allowed = wanted & set(principal.holder_urls)
+    if principal.instance and wanted - allowed:
+        from placement.models import Instance
+
+        allowed |= set(
+            Instance.objects.filter(
+                name=principal.instance, url__in=sorted(wanted - allowed)
+            ).values_list("url", flat=True)
+        )
+    return frozenset(allowed)
+
+
+def _may_publish_for(principal, holder_url: str, publishable: frozenset[str] | None) -> bool:
+    # ``publishable``: what ``publishable_holders`` found for a batch; else the database says.
+    if publishable is not None:
+        return holder_url in publishable
+    return may_publish_for(principal, holder_url)
+
+
+def check_may_publish(principal, record, publishable: frozenset[str] | None = None) -> None:
     if record.scope_id_bytes not in principal.scope_ids:
         raise ProtocolError("kvsp-forbidden", "not authorized for the record's scope")
-    if not may_publish_for(principal, record.holder):
+    if not _may_publish_for(principal, record.holder, publishable):
         raise ProtocolError("kvsp-forbidden", f"not authorized to publish for {record.holder}")
 
 
-def check_may_withdraw(principal, scope_id: bytes, holder_url: str) -> None:
+def check_may_withdraw(
+    principal, scope_id: bytes, holder_url: str, publishable: frozenset[str] | None = None
+) -> None:
     if bytes(scope_id) not in principal.scope_ids:
         raise ProtocolError("kvsp-not-found", "no such replica")
-    if not may_publish_for(principal, holder_url):
+    if not _may_publish_for(principal, holder_url, publishable):
         raise ProtocolError("kvsp-forbidden", f"not authorized to withdraw for {holder_url}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 import orjson
 from django.conf import settings
@@ -19,9 +20,10 @@ from index import authz
 from index.auth import new_token
 from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
 from index.scopekeys import seal_scope_key
-from kvsp import blockkeys, compat
+from kvsp import blockkeys, compat, hexids
 from kvsp.problems import ProtocolError
 from kvsp.records import ReplicaRecord
+from kvspsite.api import OUT_OF_RANGE_DETAIL
 
 _TIER_BITS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 
@@ -117,13 +119,8 @@ def _intern_holder(url: str) -> None:
     Holder.objects.get_or_create(url=url)
 
 
-_UPSERT = """
-INSERT INTO index_replica (
-    compat_id, scope_id, block_key, holder_id, codec, size, digest, layer_digests, residency,
-    tier_mask, moqt_namespace, ttl_ms, expires_at, published_at, refreshed_at, refresh_count
-)
-SELECT %s, %s, %s, h.id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0
-FROM index_holder h WHERE h.url = %s
+# A refresh replaces everything but the identity and when it was first published (6.1).
+_REFRESH = """
 ON CONFLICT (block_key, scope_id, compat_id, holder_id) DO UPDATE SET
     codec = excluded.codec, size = excluded.size, digest = excluded.digest,
     layer_digests = excluded.layer_digests, residency = excluded.residency,
@@ -131,8 +128,61 @@ ON CONFLICT (block_key, scope_id, compat_id, holder_id) DO UPDATE SET
     ttl_ms = excluded.ttl_ms, expires_at = excluded.expires_at,
     refreshed_at = excluded.refreshed_at,
     refresh_count = index_replica.refresh_count + 1
-RETURNING refresh_count
 """
+
+_UPSERT = (
+    """
+INSERT INTO index_replica (
+    compat_id, scope_id, block_key, holder_id, codec, size, digest, layer_digests, residency,
+    tier_mask, moqt_namespace, ttl_ms, expires_at, published_at, refreshed_at, refresh_count
+)
+SELECT %s, %s, %s, h.id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0
+FROM index_holder h WHERE h.url = %s
+"""
+    + _REFRESH
+    + "RETURNING refresh_count"
+)
+
+# The same upsert for many rows at once (Postgres): one array per column, unnested in order,
+# sent in binary (%b): a batch's digests travel as octets rather than as hex to be parsed.
+_UPSERT_MANY = (
+    """
+WITH upserted AS (
+    INSERT INTO index_replica (
+        compat_id, scope_id, block_key, holder_id, codec, size, digest, layer_digests,
+        residency, tier_mask, moqt_namespace, ttl_ms, expires_at, published_at, refreshed_at,
+        refresh_count
+    )
+    SELECT b.compat_id, b.scope_id, b.block_key, h.id, b.codec, b.size, b.digest,
+        b.layer_digests, b.residency, b.tier_mask, b.moqt_namespace, b.ttl_ms, b.expires_at,
+        %s, %s, 0
+    FROM unnest(
+        %b::bytea[], %b::bytea[], %b::bytea[], %b::text[], %b::integer[], %b::bigint[],
+        %b::bytea[], %b::bytea[], %b::text[], %b::smallint[], %b::text[], %b::bigint[],
+        %b::timestamptz[]
+    ) WITH ORDINALITY AS b(
+        compat_id, scope_id, block_key, holder, codec, size, digest, layer_digests, residency,
+        tier_mask, moqt_namespace, ttl_ms, expires_at, position
+    )
+    JOIN index_holder h ON h.url = b.holder
+    ORDER BY b.position
+"""  # noqa: S608 - constant fragments, every value a parameter
+    + _REFRESH
+    + """
+    RETURNING compat_id, scope_id, block_key, holder_id, refresh_count
+)
+SELECT u.compat_id, u.scope_id, u.block_key, h.url, u.refresh_count
+FROM upserted u JOIN index_holder h ON h.id = u.holder_id
+"""
+)
+
+_INTERN_HOLDERS = "INSERT INTO index_holder (url) SELECT unnest(%s::text[]) ON CONFLICT DO NOTHING"
+
+# What the columns hold, beyond what the record rules admit: a longer value is refused as the
+# database would refuse it in a single PUT, before it could fail a whole batch's statement.
+# (SQLite, the embedded default, enforces no length, and takes a batch one row at a time.)
+_HOLDER_MAX_LENGTH = Holder._meta.get_field("url").max_length
+_NAMESPACE_MAX_LENGTH = Replica._meta.get_field("moqt_namespace").max_length
 
 
 @dataclass(frozen=True)
@@ -145,43 +195,308 @@ class Published:
         return {**self.record.to_json(), "ttl_ms": self.ttl_ms}
 
 
+def _granted_ttl_ms(record: ReplicaRecord, max_ttl_ms: int | None = None) -> int:
+    return min(record.ttl_ms, settings.KVSP_MAX_TTL_MS if max_ttl_ms is None else max_ttl_ms)
+
+
+def _replica_row(
+    record: ReplicaRecord, ttl_ms: int, now: datetime, shared: dict | None = None
+) -> tuple:
+    """A record's column values, in the order of ``_UPSERT_MANY``'s arrays. ``shared`` keeps
+    what the records of one batch have in common, worked out once: the stored form of a
+    residency, the expiry of a TTL."""
+    shared = {} if shared is None else shared
+    residency = shared.get(("residency", record.residency))
+    if residency is None:
+        stored = orjson.dumps([entry.to_json() for entry in record.residency]).decode()
+        residency = shared[("residency", record.residency)] = (stored, _tier_mask(record))
+    expires_at = shared.get(("expires", ttl_ms))
+    if expires_at is None:
+        expires_at = shared[("expires", ttl_ms)] = connection.ops.adapt_datetimefield_value(
+            now + timedelta(milliseconds=ttl_ms)
+        )
+    return (
+        record.compat_id_bytes,
+        record.scope_id_bytes,
+        record.block_key_bytes,
+        record.holder,
+        record.codec,
+        record.size,
+        record.digest_bytes,
+        bytes.fromhex("".join(record.layer_digests or ())),
+        *residency,
+        record.moqt_namespace or "",
+        ttl_ms,
+        expires_at,
+    )
+
+
+def _row_identity(row: tuple) -> tuple:
+    """What names the replica of a row: (compat_id, scope_id, block_key, holder)."""
+    return row[:4]
+
+
+def _record_identity(record: ReplicaRecord) -> tuple:
+    return (record.compat_id_bytes, record.scope_id_bytes, record.block_key_bytes, record.holder)
+
+
+def _upsert_one(cursor, row: tuple, now: datetime) -> int:
+    """Upsert one replica row; its refresh count (0: inserted). The holder's interned id is
+    looked up inside the same statement; only a holder's first record takes a second one."""
+    stamp = connection.ops.adapt_datetimefield_value(now)
+    params = [*row[:3], *row[4:], stamp, stamp, row[3]]
+    cursor.execute(_UPSERT, params)
+    found = cursor.fetchone()
+    if found is None:  # the holder's first record: intern its URL, then publish
+        _intern_holder(row[3])
+        cursor.execute(_UPSERT, params)
+        found = cursor.fetchone()
+    return found[0]
+
+
 def do_publish_replica(
     principal, record: ReplicaRecord, *, now: datetime | None = None
 ) -> Published:
     """Publish or refresh one replica (spec 6.1): one atomic upsert, so concurrent publishes of
-    the same replica neither duplicate it nor lose an update. The holder's interned id is looked
-    up inside the same statement; only a holder's first record takes a second one.
+    the same replica neither duplicate it nor lose an update.
     """
     authz.check_may_publish(principal, record)
     now = now or timezone.now()
-    ttl_ms = min(record.ttl_ms, settings.KVSP_MAX_TTL_MS)
-    ops = connection.ops
-    params = [
-        record.compat_id_bytes,
-        record.scope_id_bytes,
-        record.block_key_bytes,
-        record.codec,
-        record.size,
-        record.digest_bytes,
-        b"".join(bytes.fromhex(d) for d in record.layer_digests or ()),
-        orjson.dumps([entry.to_json() for entry in record.residency]).decode(),
-        _tier_mask(record),
-        record.moqt_namespace or "",
-        ttl_ms,
-        ops.adapt_datetimefield_value(now + timedelta(milliseconds=ttl_ms)),
-        ops.adapt_datetimefield_value(now),
-        ops.adapt_datetimefield_value(now),
-        record.holder,
-    ]
+    ttl_ms = _granted_ttl_ms(record)
     with connection.cursor() as cursor:
-        cursor.execute(_UPSERT, params)
-        row = cursor.fetchone()
-        if row is None:  # the holder's first record: intern its URL, then publish
-            _intern_holder(record.holder)
-            cursor.execute(_UPSERT, params)
-            row = cursor.fetchone()
-    (refresh_count,) = row
+        refresh_count = _upsert_one(cursor, _replica_row(record, ttl_ms, now), now)
     return Published(record, ttl_ms=ttl_ms, created=refresh_count == 0)
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What became of one item of a batch publication or withdrawal (``POST CP replicas``,
+    ``POST CP replicas/withdrawals``): the status and problem its single PUT or DELETE would
+    have answered."""
+
+    block_key: str | None
+    holder: str | None
+    status: int
+    problem: dict | None = None
+    ttl_ms: int | None = None  # as granted, for a record published
+
+    def to_json(self) -> dict:
+        out = {
+            "block_key": self.block_key,
+            "holder": self.holder,
+            "status": self.status,
+            "problem": self.problem,
+        }
+        if self.ttl_ms is not None:
+            out["ttl_ms"] = self.ttl_ms
+        return out
+
+
+def _echoed(item: object, member: str) -> str | None:
+    value = item.get(member) if isinstance(item, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _judge_all(principal, items: list, decode, authorize) -> list:
+    """Each item as ``decode`` makes it (an object with a ``holder``) and ``authorize(principal,
+    decoded, publishable)`` allows it, or the refusal of either. The holders the decoded items
+    name are looked up at once (``publishable``), not once per item."""
+    decoded = []
+    for item in items:
+        try:
+            decoded.append(decode(item))
+        except ProtocolError as refusal:
+            decoded.append(refusal)
+    # A holder with a NUL is no URL the database could hold, nor take in a query: refused later.
+    holders = {d.holder for d in decoded if not isinstance(d, ProtocolError)}
+    holders = {holder for holder in holders if "\x00" not in holder}
+    publishable = authz.publishable_holders(principal, holders)
+    judged = []
+    for item in decoded:
+        try:
+            if not isinstance(item, ProtocolError):
+                authorize(principal, item, publishable)
+            judged.append(item)
+        except ProtocolError as refusal:
+            judged.append(refusal)
+    return judged
+
+
+def _decode_record(item: object) -> ReplicaRecord:
+    if not isinstance(item, dict):
+        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
+    return ReplicaRecord.from_json(item)
+
+
+def _authorize_record(principal, record: ReplicaRecord, publishable: frozenset[str]) -> None:
+    """What the single PUT refuses of a valid record: a scope or holder not the principal's,
+    then a value too long for its column."""
+    authz.check_may_publish(principal, record, publishable)
+    too_long = len(record.holder) > _HOLDER_MAX_LENGTH or (
+        len(record.moqt_namespace or "") > _NAMESPACE_MAX_LENGTH
+    )
+    if too_long and connection.vendor != "sqlite":  # SQLite stores any length
+        raise ProtocolError("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
+
+
+def _upsert_many(rows: list[tuple], now: datetime) -> dict[tuple, int]:
+    """Upsert replica rows of distinct identities; each identity's refresh count (0: inserted).
+    On Postgres a few statements whatever the number of rows; elsewhere (the embedded default's
+    SQLite) one statement per row."""
+    counts: dict[tuple, int] = {}
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor != "postgresql":
+            for row in rows:
+                counts[_row_identity(row)] = _upsert_one(cursor, row, now)
+            return counts
+
+        def upsert(batch: list[tuple]) -> None:
+            cursor.execute(_UPSERT_MANY, [now, now, *map(list, zip(*batch, strict=True))])
+            for compat_id, scope_id, block_key, holder, refresh_count in cursor.fetchall():
+                counts[(bytes(compat_id), bytes(scope_id), bytes(block_key), holder)] = (
+                    refresh_count
+                )
+
+        upsert(rows)
+        missing = [row for row in rows if _row_identity(row) not in counts]
+        if missing:  # holders' first records: intern their URLs, then publish those
+            cursor.execute(_INTERN_HOLDERS, [sorted({row[3] for row in missing})])
+            upsert(missing)
+    return counts
+
+
+def do_publish_batch(principal, items: list, *, now: datetime | None = None) -> list:
+    """Publish or refresh many replicas (``POST CP replicas``): each item is judged as its
+    single PUT would judge it, and the accepted ones are written together. The outcomes come in
+    the order of ``items``; one item's refusal changes nothing about the others.
+
+    A replica named twice ends as its last record says, as it would after the PUTs one by one:
+    its first accepted occurrence is the one that may have created it (201), later ones
+    refresh it (200).
+    """
+    now = now or timezone.now()
+    judged = _judge_all(principal, items, _decode_record, _authorize_record)
+    max_ttl_ms = settings.KVSP_MAX_TTL_MS
+    rows: dict[tuple, tuple] = {}
+    shared: dict = {}
+    for record in judged:
+        if isinstance(record, ReplicaRecord):
+            row = _replica_row(record, _granted_ttl_ms(record, max_ttl_ms), now, shared)
+            rows[_row_identity(row)] = row  # the last record of a replica is the one it keeps
+    # In one order, so that batches publishing the same replicas at once take their row locks
+    # alike rather than deadlock.
+    counts = _upsert_many(sorted(rows.values(), key=_row_identity), now) if rows else {}
+    outcomes, seen = [], set()
+    for item, record in zip(items, judged, strict=True):
+        if isinstance(record, ProtocolError):
+            outcomes.append(
+                BatchOutcome(
+                    _echoed(item, "block_key"),
+                    _echoed(item, "holder"),
+                    record.status,
+                    record.document(),
+                )
+            )
+            continue
+        identity = record.identity
+        created = identity not in seen and counts[_record_identity(record)] == 0
+        seen.add(identity)
+        outcomes.append(
+            BatchOutcome(
+                record.block_key,
+                record.holder,
+                201 if created else 200,
+                ttl_ms=_granted_ttl_ms(record, max_ttl_ms),
+            )
+        )
+    return outcomes
+
+
+_WITHDRAW_MANY = """
+DELETE FROM index_replica r
+USING unnest(%b::bytea[], %b::bytea[], %b::bytea[], %b::text[])
+    AS w(compat_id, scope_id, block_key, holder), index_holder h
+WHERE h.url = w.holder AND r.holder_id = h.id AND r.compat_id = w.compat_id
+    AND r.scope_id = w.scope_id AND r.block_key = w.block_key
+RETURNING r.compat_id, r.scope_id, r.block_key, h.url
+"""
+
+
+class _Withdrawal(NamedTuple):
+    """A replica a batch withdrawal names, by the members that name it in its record."""
+
+    compat_id: bytes
+    scope_id: bytes
+    block_key: bytes
+    holder: str
+
+
+def _withdrawal_identity(item: object) -> _Withdrawal:
+    if not isinstance(item, dict):
+        raise ProtocolError("kvsp-malformed-request", "a withdrawal must be a JSON object")
+    ids = []
+    for member, octets in (("compat_id", 32), ("scope_id", 16), ("block_key", 32)):
+        value = item.get(member)
+        if not hexids.is_hex(value, octets):
+            raise ProtocolError(
+                "kvsp-malformed-request", f"{member} must be hex{octets}: {2 * octets} hex digits"
+            )
+        ids.append(bytes.fromhex(value))
+    holder = item.get("holder")
+    if not isinstance(holder, str) or not holder:
+        raise ProtocolError("kvsp-malformed-request", "holder is required")
+    return _Withdrawal(*ids, holder)
+
+
+def _authorize_withdrawal(principal, replica: _Withdrawal, publishable: frozenset[str]) -> None:
+    if "\x00" in replica.holder:  # no URL the database holds: its single DELETE fails on it
+        raise ProtocolError("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
+    authz.check_may_withdraw(principal, replica.scope_id, replica.holder, publishable)
+
+
+def _delete_replicas(identities: list[tuple]) -> set[tuple]:
+    """Delete the replicas of distinct identities; those that were there. One statement on
+    Postgres, one per replica elsewhere."""
+    if connection.vendor != "postgresql":
+        deleted = set()
+        for compat_id, scope_id, block_key, holder in identities:
+            found, _ = Replica.objects.filter(
+                compat_id=compat_id, scope_id=scope_id, block_key=block_key, holder__url=holder
+            ).delete()
+            if found:
+                deleted.add((compat_id, scope_id, block_key, holder))
+        return deleted
+    with connection.cursor() as cursor:
+        cursor.execute(_WITHDRAW_MANY, [list(column) for column in zip(*identities, strict=True)])
+        return {(bytes(c), bytes(s), bytes(k), h) for c, s, k, h in cursor.fetchall()}
+
+
+def do_withdraw_batch(principal, items: list) -> list:
+    """Withdraw many replicas (``POST CP replicas/withdrawals``): each item is judged as its
+    single DELETE would judge it (a scope not granted is a replica that does not exist, a holder
+    the principal does not act for is forbidden, an unknown replica is 404) and the accepted ones
+    are deleted together. The outcomes come in the order of ``items``; a replica named twice is
+    withdrawn by its first item, and the later ones find it gone."""
+    judged = _judge_all(principal, items, _withdrawal_identity, _authorize_withdrawal)
+    wanted = sorted({identity for identity in judged if isinstance(identity, tuple)})
+    deleted = _delete_replicas(wanted) if wanted else set()
+    missing = ProtocolError("kvsp-not-found", "no such replica")
+    outcomes = []
+    for item, identity in zip(items, judged, strict=True):
+        if isinstance(identity, tuple) and identity in deleted:
+            deleted.discard(identity)
+            outcomes.append(BatchOutcome(identity[2].hex(), identity[3], 204))
+            continue
+        refusal = identity if isinstance(identity, ProtocolError) else missing
+        outcomes.append(
+            BatchOutcome(
+                _echoed(item, "block_key"),
+                _echoed(item, "holder"),
+                refusal.status,
+                refusal.document(),
+            )
+        )
+    return outcomes
 
 
 def do_withdraw_replica(

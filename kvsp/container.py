@@ -137,10 +137,17 @@ def replica_digest(layer_digests: Iterable[bytes | str]) -> str:
 
     Each layer digest is 32 raw octets or its hex32 form, as listed in a Replica Record.
     """
-    hasher = hashlib.sha256()
-    for index, digest in enumerate(layer_digests):
-        hasher.update(_digest_octets(digest, f"layer digest {index}"))
-    return format_digest(hasher.digest())
+    return joined_replica_digest(
+        b"".join(
+            _digest_octets(digest, f"layer digest {index}")
+            for index, digest in enumerate(layer_digests)
+        )
+    )
+
+
+def joined_replica_digest(joined: bytes) -> str:
+    """``replica_digest`` of layer digests given concatenated, 32 octets each."""
+    return format_digest(hashlib.sha256(joined).digest())
 
 
 def verify_replica_digest(layer_digests: Iterable[bytes | str], digest: str) -> None:

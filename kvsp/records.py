@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hmac
 import math
 import re
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Self, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
-from kvsp.container import DIGEST_PREFIX, replica_digest
+from kvsp.container import DIGEST_PREFIX, joined_replica_digest
 from kvsp.hexids import is_hex, parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.states import (
@@ -230,10 +231,9 @@ def _check_hex_list(values: object, path: Path, octets: int, *, non_empty: bool 
     try:
         joined = "".join(values)
         same_width = not values or set(map(len, values)) == {2 * octets}
-        if same_width and len(bytes.fromhex(joined)) * 2 == len(joined):
-            # fromhex accepts upper case too; hex digits are lower case when no letter is upper.
-            if joined.islower() or joined.isdigit() or not joined:
-                return
+        # fromhex also takes upper case and spaces; what hex() gives back is neither.
+        if same_width and bytes.fromhex(joined).hex() == joined:
+            return
     except (TypeError, ValueError):
         pass
     for index, value in enumerate(values):
@@ -296,13 +296,28 @@ def _check_base_url(value: object, path: Path) -> None:
 
 
 def _check_holder(value: object, path: Path) -> None:
-    parts = _url_parts(value, path)
-    if parts.scheme == "moqt":
-        return
-    if parts.scheme not in ("http", "https"):
-        _fail(path, "must be an http, https or moqt URL")
-    if not parts.path.endswith("/"):
-        _fail(path, 'must end with "/"')
+    if not isinstance(value, str):
+        _fail(path, "must be a URL string")
+    broken = _broken_holder_rule(value)
+    if broken is not None:
+        _fail(path, broken)
+
+
+@functools.lru_cache(maxsize=1024)
+def _broken_holder_rule(value: str) -> str | None:
+    """The rule a holder URL breaks, or None. Cached: a holder publishes thousands of records
+    naming the same few URLs, and parsing a URL costs more than the rest of a record."""
+    try:
+        parts = _url_parts(value, ())
+        if parts.scheme == "moqt":
+            return None
+        if parts.scheme not in ("http", "https"):
+            _fail((), "must be an http, https or moqt URL")
+        if not parts.path.endswith("/"):
+            _fail((), 'must end with "/"')
+    except InvalidRecord as error:
+        return error.message
+    return None
 
 
 def is_moqt_holder(holder: str) -> bool:
@@ -621,7 +636,9 @@ class ReplicaRecord(Record):
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
         if self.layer_digests is not None:
             _check_hex_list(self.layer_digests, ("layer_digests",), 32, non_empty=True)
-            if not hmac.compare_digest(replica_digest(self.layer_digest_bytes), self.digest):
+            # Checked as hex above, so one conversion of the joined list is exact.
+            joined = bytes.fromhex("".join(self.layer_digests))
+            if not hmac.compare_digest(joined_replica_digest(joined), self.digest):
                 _fail(("layer_digests",), "do not reproduce digest (4.3)")
         _check_tuple(self.residency, ("residency",), non_empty=True)
         for index, entry in enumerate(self.residency):

@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig, SuspiciousOperation
-from django.db import DataError, InterfaceError, OperationalError
+from django.db import DataError, IntegrityError, InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from rest_framework import exceptions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
@@ -250,7 +250,12 @@ def problem_exception_handler(exc, context):
             "kvsp-unavailable", "the database is unavailable; retry", headers={"Retry-After": "1"}
         )
     if isinstance(exc, DataError):
-        return problem_response("kvsp-invalid-record", _OUT_OF_RANGE)
+        return problem_response("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
+    if isinstance(exc, IntegrityError):
+        # A uniqueness rule the request's own checks missed (a concurrent request made the
+        # same row first, say): the statement failed inside the transaction, nothing changed.
+        log.warning("a request tripped a database constraint: %s", exc)
+        return problem_response("kvsp-conflict", _CONSTRAINT)
     if isinstance(exc, Http404):
         return problem_response("kvsp-not-found", "no such resource")
     if isinstance(exc, RequestDataTooBig):
@@ -297,7 +302,11 @@ def is_api_path(path: str) -> bool:
 
 # The database refused a value the record rules admit (a number past what its column holds):
 # the request changed nothing, since the statement failed inside its transaction.
-_OUT_OF_RANGE = "a value of the request is out of the range this implementation stores"
+OUT_OF_RANGE_DETAIL = "a value of the request is out of the range this implementation stores"
+_CONSTRAINT = (
+    "the request conflicts with what is stored (perhaps by a concurrent request); it changed "
+    "nothing"
+)
 _SAFE_DETAIL = {
     400: "the request was refused as malformed",
     401: "authentication required",
@@ -345,7 +354,7 @@ class ProblemDetailsMiddleware:
             response["Retry-After"] = "1"
             return response
         if isinstance(exception, DataError):
-            return problem_http_response("kvsp-invalid-record", _OUT_OF_RANGE)
+            return problem_http_response("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
         log.exception("uncaught error on %s", request.path)
         return problem_http_response("kvsp-internal-error", _SAFE_DETAIL[500])
 

@@ -31,12 +31,22 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvspsite.processes import ROOT, Beat, Process, Server, Worker, free_port, run_manage
+from kvspsite.processes import (
+    ROOT,
+    Beat,
+    Process,
+    Server,
+    Worker,
+    free_port,
+    run_manage,
+    stop_all,
+)
 
 BLOCK_TOKENS = 16
 SHARED_PREFIX_TOKENS = 128
 SUFFIX_TOKENS = 8
 STATUS_TTL_MS = 2000
+STOP_GRACE_S = 3.0
 
 
 class ClusterError(RuntimeError):
@@ -50,6 +60,7 @@ class NodeProcesses:
     env: dict
     server: Server | None = None
     worker: Worker | None = None
+    engine: bool = True
 
     @property
     def url(self) -> str:
@@ -67,6 +78,10 @@ class Measurements:
     failover_indices_once: bool | None = None
     reshard_state: str | None = None
     reshard_ms: float | None = None
+    directives: list[str] = field(default_factory=list)
+    blocks_prefetched: int = 0
+    instances_active: int | None = None
+    instances: int | None = None
 
 
 class LocalCluster:
@@ -86,6 +101,7 @@ class LocalCluster:
         self.logs = self.directory / "logs"
         self.processes: list[Process] = []
         self.nodes: list[NodeProcesses] = []
+        self.holders: list[NodeProcesses] = []
         self.measured = Measurements()
         self.run_id = secrets.token_hex(3)
         self.rng = random.Random(7)
@@ -159,8 +175,9 @@ class LocalCluster:
         )
         if result.returncode:
             raise ClusterError(f"createsuperuser: {result.stderr.strip()}")
-        for index in range(self.node_count):
-            name = f"n{index + 1}-{self.run_id}"
+        # The engine nodes, and one storage-only holder that keeps the sessions' copies.
+        names = [f"n{index + 1}-{self.run_id}" for index in range(self.node_count)]
+        for name in [*names, f"holder-{self.run_id}"]:
             port = free_port()
             url = f"http://127.0.0.1:{port}/kvsp/"
             self.manage("kvsp_instance", "add", name, "--url", url)
@@ -175,10 +192,11 @@ class LocalCluster:
                 "--holder",
                 url,
             )["token"]
-            self.nodes.append(NodeProcesses(name, port, {"KVSP_TOKEN": token}))
-        peers = [node.url for node in self.nodes]
+            node = NodeProcesses(name, port, {"KVSP_TOKEN": token}, engine=name in names)
+            (self.nodes if node.engine else self.holders).append(node)
+        peers = [node.url for node in [*self.nodes, *self.holders]]
         links = json.dumps([{"holder": url, "mbit_per_s": 20_000, "rtt_us": 100} for url in peers])
-        for node in self.nodes:
+        for node in [*self.nodes, *self.holders]:
             node.env = {
                 **self.base_env(),
                 **node.env,
@@ -191,8 +209,10 @@ class LocalCluster:
                 "KVSP_SHM_DIR": str(self.directory / "shm"),
                 "KVSP_DISK_DIR": str(self.directory / "disk"),
                 "KVSP_LINKS": links,
-                "KVSP_SESSION_HOLDERS": ",".join(url for url in peers if url != node.url),
+                "KVSP_SESSION_HOLDERS": ",".join(holder.url for holder in self.holders),
             }
+            if not node.engine:
+                del node.env["KVSP_MODEL_DIR"]
         self.http = httpx.Client(timeout=60)
 
     def _start_processes(self) -> None:
@@ -212,7 +232,7 @@ class LocalCluster:
             ),
             Beat("beat", {**self.control_env, "KVSP_TOKEN": self.controller_token}, self.logs),
         ]
-        for node in self.nodes:
+        for node in [*self.nodes, *self.holders]:
             node.server = Server(
                 f"{node.name}-http", node.env, self.logs, workers=2, port=node.port
             )
@@ -245,13 +265,18 @@ class LocalCluster:
         while time.monotonic() < deadline:
             listing = self._get(f"{self.control_url}instances/", self.controller_token)
             mine = [i for i in listing["instances"] if i["name"].endswith(self.run_id)]
-            # Serving: active, reporting, and its engine loaded (it then lists the compat id).
+            # Serving: active (and told so), reporting, and its engine loaded (it then lists
+            # the compat id).
             serving = [
                 i
                 for i in mine
-                if i["state"] == "active" and i["live"] and self.compat in i["compat_ids"]
+                if i["state"] == "active"
+                and i["state_pushed"]
+                and i["live"]
+                and self.compat in i["compat_ids"]
             ]
-            if len(serving) >= count:
+            holders = [i for i in mine if i["name"].startswith("holder-") and i["live"]]
+            if len(serving) >= count and len(holders) == len(self.holders):
                 return
             time.sleep(0.2)
         raise ClusterError(f"fewer than {count} nodes became active; see {self.logs}")
@@ -312,6 +337,10 @@ class LocalCluster:
             )
             self.measured.blocks_asked += len(prompt) // BLOCK_TOKENS
             self.measured.blocks_matched += placement["matched"]
+            if placement["directive"]:
+                self.measured.directives.append(placement["directive"])
+            else:
+                request_ref = None  # no directive to wait for: the node serves at once
             instance = placement["instance"]
         session = str(uuid.uuid4())
         body = {
@@ -356,26 +385,60 @@ class LocalCluster:
         raise ClusterError(f"session {session} did not complete in {timeout} s")
 
     def run_workload(self) -> None:
+        """Prompts one after another: every fourth shares nothing (the recompute case), the
+        others share a prefix. The first to share it computes it; for the second the node that
+        did is drained, as an operator would before maintenance, so that placement sends the
+        prompt elsewhere with a prefetch directive that loads the prefix from that node."""
         prefix = self.shared_prefix = self._tokens(SHARED_PREFIX_TOKENS)
         with self._progress() as progress:
             task = progress.add_task("workload: prompts with a shared prefix", total=self.requests)
+            computed_at = None
             for index in range(self.requests):
-                cold = index % 4 == 0  # every fourth prompt shares nothing: the recompute case
+                cold = index % 4 == 0
                 prompt = self._tokens(SHARED_PREFIX_TOKENS) if cold else prefix
                 prompt = prompt + self._tokens(SUFFIX_TOKENS)
+                drained = None
+                if not cold and computed_at:
+                    drained, computed_at = computed_at, ""
+                    self._set_state(drained, "draining")
                 started = time.monotonic()
-                session, _ = self._generate(
+                session, instance = self._generate(
                     prompt, max_tokens=8, request_ref=f"demo-{self.run_id}-{index}"
                 )
                 ttft = self._wait_first_token(session, started)
+                first_share = not cold and computed_at is None
                 (
                     self.measured.ttft_cold_ms
-                    if cold or index == 1
+                    if cold or first_share
                     else self.measured.ttft_cached_ms
                 ).append(ttft)
+                if first_share:
+                    computed_at = instance
                 self._wait_complete(session)
+                if drained is not None:
+                    self._set_state(drained, "active")
+                    self._wait_active(len(self.nodes))
                 self.measured.sessions_completed += 1
                 progress.advance(task)
+        self.measured.blocks_prefetched = self._prefetched()
+
+    def _set_state(self, url: str, state: str) -> None:
+        name = next(node.name for node in self.nodes if node.url == url)
+        url = f"{self.control_url}instances/{name}/state"
+        self._put(url, {"state": state}, self.controller_token)
+
+    def _prefetched(self) -> int:
+        """Blocks the placements' prefetch directives loaded, as the nodes report them."""
+        loaded = 0
+        for url in self.measured.directives:
+            deadline = time.monotonic() + 30
+            while True:
+                state = self._get(url, self.controller_token)
+                if state["state"] != "pending" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            loaded += len(state.get("loaded", []))
+        return loaded
 
     # --- failover -------------------------------------------------------------------------
 
@@ -495,6 +558,21 @@ class LocalCluster:
         self.measured.reshard_state = state
         self.measured.reshard_ms = (time.monotonic() - started) * 1000
 
+    def check_instances(self, seconds: float) -> None:
+        """Watch the instances for a while after the run: every one should stay active (a node
+        that stalls on the database or loses its record shows up here)."""
+        deadline = time.monotonic() + seconds
+        count = len(self.nodes) + len(self.holders)
+        worst = count
+        while True:
+            listing = self._get(f"{self.control_url}instances/", self.controller_token)
+            mine = [i for i in listing["instances"] if i["name"].endswith(self.run_id)]
+            worst = min(worst, sum(i["state"] == "active" and i["live"] for i in mine))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+        self.measured.instances, self.measured.instances_active = count, worst
+
     def _prefix_keys(self) -> list[str]:
         """The Block Keys (4.2) of the shared prefix's complete blocks, with the scope's key."""
         from kvsp.blockkeys import block_keys
@@ -527,8 +605,16 @@ class LocalCluster:
         if m.failover_ms is not None:
             table.add_row("failover: kill to next token", f"{m.failover_ms:.0f} ms")
             table.add_row("failover: every index delivered once", str(m.failover_indices_once))
+        table.add_row(
+            "blocks prefetched from peers",
+            f"{m.blocks_prefetched} ({len(m.directives)} directives)",
+        )
         if m.reshard_state is not None:
             table.add_row("reshard", f"{m.reshard_state} in {m.reshard_ms:.0f} ms")
+        if m.instances_active is not None:
+            table.add_row(
+                "instances active throughout the check", f"{m.instances_active}/{m.instances}"
+            )
         return table
 
     def summary_json(self) -> dict:
@@ -541,6 +627,10 @@ class LocalCluster:
             "failover_ms": m.failover_ms,
             "failover_indices_once": m.failover_indices_once,
             "reshard": m.reshard_state,
+            "directives": len(m.directives),
+            "blocks_prefetched": m.blocks_prefetched,
+            "instances": m.instances,
+            "instances_active": m.instances_active,
         }
 
     def dashboard_url(self) -> str:
@@ -558,8 +648,15 @@ class LocalCluster:
             signal.signal(signal.SIGTERM, previous)
 
     def stop(self) -> None:
-        for process in reversed(self.processes):
-            process.stop(timeout=5)
+        """Stop every process at once: SIGTERM to all, a few seconds' grace, SIGKILL to what
+        is left."""
+        if self.processes:
+            alive = [process for process in self.processes if process.alive()]
+            if alive:
+                self.console.print(
+                    f"stopping {len(alive)} processes: {', '.join(p.name for p in alive)}"
+                )
+            stop_all(alive, grace=STOP_GRACE_S)
         self.processes.clear()
         if hasattr(self, "http"):
             self.http.close()

@@ -43,6 +43,7 @@ _POSITIVE = {"type": "integer", "minimum": 1, "maximum": 9007199254740991}
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": 4294967295}
 _RANGE = {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}
 _RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS}
+_ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
 # OpenAPI 3.0 spells an exclusive bound as a flag on the bound.
 _POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
 
@@ -66,17 +67,19 @@ def _object(properties: dict, required=(), **extra) -> dict:
     return schema
 
 
+_PROBLEM = _object(
+    {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "instance": {"type": "string"},
+    },
+    ["type", "title", "status", "detail"],
+)
+
 SCHEMAS = {
-    "Problem": _object(
-        {
-            "type": {"type": "string"},
-            "title": {"type": "string"},
-            "status": {"type": "integer"},
-            "detail": {"type": "string"},
-            "instance": {"type": "string"},
-        },
-        ["type", "title", "status", "detail"],
-    ),
+    "Problem": _PROBLEM,
     "CompatibilityDescriptor": _object(
         {
             "model": {"type": "string", "minLength": 1},
@@ -151,6 +154,40 @@ SCHEMAS = {
     "Replicas": _object(
         {"block_key": _hex(32), "replicas": {"type": "array", "items": _ref("ReplicaRecord")}},
         ["block_key", "replicas"],
+    ),
+    # Each item is judged on its own, as its single PUT or DELETE would judge it, and a refused
+    # item is answered in its result: so any value is a valid item here, and only the envelope
+    # is refused whole.
+    "ReplicaBatch": _object(
+        {"records": {"type": "array", "items": {"description": "a ReplicaRecord"}}},
+        ["records"],
+    ),
+    "ReplicaWithdrawalBatch": _object(
+        {
+            "replicas": {
+                "type": "array",
+                "items": {"description": "{compat_id, scope_id, block_key, holder}"},
+            }
+        },
+        ["replicas"],
+    ),
+    "ReplicaBatchAnswer": _object(
+        {
+            "results": {
+                "type": "array",
+                "items": _object(
+                    {
+                        "block_key": {"type": "string", "nullable": True},
+                        "holder": {"type": "string", "nullable": True},
+                        "status": {"type": "integer", "minimum": 200, "maximum": 599},
+                        "problem": {**_PROBLEM, "nullable": True},
+                        "ttl_ms": _POSITIVE,
+                    },
+                    ["block_key", "holder", "status", "problem"],
+                ),
+            }
+        },
+        ["results"],
     ),
     "LookupRequest": _object(
         {
@@ -388,6 +425,7 @@ SCHEMAS = {
             "map": {"type": "string"},
             "from": _INT,
             "to": _INT,
+            "attempt": _ATTEMPT,
             "state": {"type": "string", "enum": ["preparing", "committed", "aborted"]},
             "plans": {"type": "array", "items": {"type": "object"}},
             "acknowledged": {"type": "array", "items": _URL},
@@ -526,7 +564,8 @@ SCHEMAS.update(
         },
         # A plan from this implementation's PC carries the Block Keys its ranges cover
         # (workers.resharding): scope_id, compat_id, block_tokens and blocks, an object from
-        # block indexes in decimal to Block Keys.
+        # block indexes in decimal to Block Keys; it and its commit and abort carry the number
+        # of the PC's attempt at the move.
         "ReshardPlan": _object(
             {
                 "map": _SEGMENT,
@@ -549,11 +588,16 @@ SCHEMAS.update(
                     "additionalProperties": _hex(32),
                     "maxProperties": 131072,
                 },
+                "attempt": _ATTEMPT,
             },
             ["map", "from", "to", "deadline_ms", "retain", "fetch", "release"],
         ),
-        "ReshardCommit": _object({"map": _SEGMENT, "commit": _POSITIVE}, ["map", "commit"]),
-        "ReshardAbort": _object({"map": _SEGMENT, "abort": _POSITIVE}, ["map", "abort"]),
+        "ReshardCommit": _object(
+            {"map": _SEGMENT, "commit": _POSITIVE, "attempt": _ATTEMPT}, ["map", "commit"]
+        ),
+        "ReshardAbort": _object(
+            {"map": _SEGMENT, "abort": _POSITIVE, "attempt": _ATTEMPT}, ["map", "abort"]
+        ),
         # A body with "commit" is a commit and one with "abort" an abort; any other a plan.
         "ReshardBody": {
             "anyOf": [_ref("ReshardPlan"), _ref("ReshardCommit"), _ref("ReshardAbort")]
@@ -563,6 +607,7 @@ SCHEMAS.update(
                 "map": {"type": "string"},
                 "from": {"type": "integer", "nullable": True},
                 "to": _INT,
+                "attempt": {**_ATTEMPT, "nullable": True},
                 "state": {"type": "string", "enum": ["preparing", "committed", "aborted"]},
                 "loaded": {"type": "boolean"},
                 "fetched_blocks": _INT,
@@ -596,6 +641,14 @@ OPERATIONS = {
     ("/kvsp/replicas/{compat_id}/{scope_id}/{block_key}", "delete"): (
         None,
         {204: None, 400: "Problem", 403: "Problem", 404: "Problem"},
+    ),
+    ("/kvsp/replicas", "post"): (
+        "ReplicaBatch",
+        {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
+    ),
+    ("/kvsp/replicas/withdrawals", "post"): (
+        "ReplicaWithdrawalBatch",
+        {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
     ),
     ("/kvsp/lookup", "post"): ("LookupRequest", {200: "LookupAnswer", 413: "Problem"}),
     ("/kvsp/scopes/{scope_id}/key", "get"): (None, {200: "ScopeKey", 404: "Problem"}),

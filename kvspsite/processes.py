@@ -4,6 +4,7 @@ them the same way."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -17,6 +18,19 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies, however it
+    dies (a SIGKILL included), so that no role process outlives its launcher. Linux only."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -44,6 +58,7 @@ class Process:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         log.close()
         return self
@@ -82,6 +97,21 @@ class Process:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name}: no {what} after {timeout}s:\n{self.log()}")
+
+
+def stop_all(processes: list[Process], *, grace: float = 5.0) -> None:
+    """SIGTERM every process at once, then SIGKILL the groups still there after ``grace``
+    seconds: stopping many takes as long as the slowest, not their sum."""
+    for process in processes:
+        process.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            process.kill()
+        except AttributeError:  # never started
+            pass
 
 
 class Server(Process):

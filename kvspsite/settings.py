@@ -160,9 +160,15 @@ _database_url = _url_setting(
 DATABASES = {"default": env.db_url_config(_database_url)}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
-    # The embedded default serves several local processes; waiting beats "database is locked".
+    # The embedded default serves every process of a local cluster from one file. WAL lets
+    # readers run beside the one writer; writes take the lock at BEGIN (IMMEDIATE), so a
+    # transaction never fails half way for want of it; no transaction makes a network call.
     DATABASES["default"].setdefault("OPTIONS", {}).update(
-        {"timeout": 30, "transaction_mode": "IMMEDIATE"}
+        {
+            "timeout": 30,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL",
+        }
     )
     # A file, not memory, so that servers started by the tests share the test database.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-kvsp.sqlite3")}
@@ -201,6 +207,7 @@ KVSP_LEASE_MAX_TTL_MS = _int_setting("KVSP_LEASE_MAX_TTL_MS", 60_000)
 KVSP_RATE_LIMIT_PER_S = _float_setting("KVSP_RATE_LIMIT_PER_S", 2000.0)
 KVSP_RATE_LIMIT_BURST = _int_setting("KVSP_RATE_LIMIT_BURST", 4000)
 KVSP_MAX_LOOKUP_KEYS = _int_setting("KVSP_MAX_LOOKUP_KEYS", 65_536)
+KVSP_MAX_BATCH_RECORDS = _int_setting("KVSP_MAX_BATCH_RECORDS", 4096)
 KVSP_MAX_BLOCK_OCTETS = _int_setting("KVSP_MAX_BLOCK_OCTETS", 1024**3)
 KVSP_PREFETCH_DEADLINE_MS = _int_setting("KVSP_PREFETCH_DEADLINE_MS", 5_000)
 KVSP_PREFETCH_LEASE_MS = _int_setting("KVSP_PREFETCH_LEASE_MS", 30_000)
@@ -223,6 +230,9 @@ KVSP_DIRECTIVE_SEND_TIMEOUT_S = _float_setting("KVSP_DIRECTIVE_SEND_TIMEOUT_S", 
 KVSP_FAILOVER_MAX_PER_CHECK = _int_setting("KVSP_FAILOVER_MAX_PER_CHECK", 10)
 KVSP_FAILOVER_CUT_OFF_FRACTION = _float_setting("KVSP_FAILOVER_CUT_OFF_FRACTION", 0.55)
 KVSP_FAILOVER_MIN_FLEET = _int_setting("KVSP_FAILOVER_MIN_FLEET", 3)
+# How long a resume that was sent has to be answered before the sweep sends it again
+# (sessions.tasks.retry_stalled): longer than one attempt takes.
+KVSP_RESUME_RESEND_S = _float_setting("KVSP_RESUME_RESEND_S", 15.0)
 
 # Node role.
 KVSP_INSTANCE = env.str("KVSP_INSTANCE", default="")
@@ -331,6 +341,10 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "data_folder_out": str(_broker_dir / "queue"),
         "processed_folder": str(_broker_dir / "processed"),
         "control_folder": str(_broker_dir / "control"),
+        # kombu reads the folder once a second by default: every hop of a request (a
+        # placement's directive, a generate, a resume) would wait for it. A listing of a small
+        # folder costs microseconds.
+        "polling_interval": _float_setting("KVSP_BROKER_POLL_S", 0.02),
         "store_processed": False,
     }
 if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):

@@ -260,7 +260,15 @@ class StatusSampleAdmin(ReadOnlyAdmin):
 
 class ReshardOperationInline(admin.TabularInline):
     model = ReshardOperation
-    fields = ("from_version", "to_version", "phase", "started_at", "decided_at", "reason")
+    fields = (
+        "from_version",
+        "to_version",
+        "attempt",
+        "phase",
+        "started_at",
+        "decided_at",
+        "reason",
+    )
     readonly_fields = fields
     extra = 0
     max_num = 0

@@ -208,13 +208,19 @@ class ReshardPhase(models.TextChoices):
 
 
 class ReshardOperation(models.Model):
-    """One move of a Shard Map from version v to v+1 (spec 6.9): a row before any message, so
-    that a restarted PC finds it and either finishes or aborts it.
+    """One attempt to move a Shard Map from version v to v+1 (spec 6.9): a row before any
+    message, so that a restarted PC finds it and either finishes or aborts it.
+
+    After an abort, version v is still authoritative and the move to v+1 may be tried again:
+    each try is a row with the next ``attempt`` number, which its plans, commit and abort carry
+    as an extension member (4.4), so that a member tells a late abort of an earlier attempt from
+    the decision of the current one. At most one attempt per version is not aborted.
     """
 
     shard_map = models.ForeignKey(ShardMap, on_delete=models.CASCADE, related_name="operations")
     from_version = models.PositiveBigIntegerField()
     to_version = models.PositiveBigIntegerField()
+    attempt = models.PositiveIntegerField(default=1)
     next_shards = models.JSONField()
     # The context of version v+1: the map's own, or a longer one the reshard request gave (the
     # context grew by the blocks decoded since). The map takes it on commit.
@@ -239,11 +245,21 @@ class ReshardOperation(models.Model):
     class Meta:
         ordering = ["-started_at"]
         constraints = [
-            models.UniqueConstraint(fields=["shard_map", "to_version"], name="one_move_per_version")
+            models.UniqueConstraint(
+                fields=["shard_map", "to_version", "attempt"], name="one_row_per_attempt"
+            ),
+            models.UniqueConstraint(
+                fields=["shard_map", "to_version"],
+                condition=~models.Q(phase="aborted"),
+                name="one_live_move_per_version",
+            ),
         ]
 
     def __str__(self) -> str:
-        return f"{self.shard_map_id}: v{self.from_version} -> v{self.to_version} ({self.phase})"
+        return (
+            f"{self.shard_map_id}: v{self.from_version} -> v{self.to_version} "
+            f"attempt {self.attempt} ({self.phase})"
+        )
 
     @property
     def members(self) -> list[str]:

@@ -8,6 +8,13 @@ deadline, the PC aborts and the members discard what they fetched. The decision 
 it is a message, and telling members is retried until each has heard it, so a PC that crashes
 at any point resumes the operation from its row (``drive``).
 
+After an abort version v is still authoritative, and POST reshard may try the move to v+1
+again: every try is an operation of its own, numbered by ``attempt``. Plans, commits and aborts
+carry the number as the extension member ``"attempt"`` (4.4: peers ignore members they do not
+know), because an abort of the earlier try may still be on its way to a member (it is retried
+until each has heard it) when the plan of the next one arrives: by the number, the member
+knows that abort is not about the move it is preparing now.
+
 A Shard Map may carry the context it splits as an extension member (``ShardContext``; 4.4:
 peers ignore members they do not know). With it, every plan also says which blocks its ranges
 are: a member cannot derive Block Keys from token offsets (4.2), and needs no other lookup.
@@ -262,17 +269,26 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
         elif context is not None:
             context.check_shards(following)
         plans = sharding.plan_reshard(current, following.shards, deadline_ms)
+        # Earlier attempts at this version were all aborted (none is preparing, and a commit
+        # would have moved the map past it): this one is numbered after them.
+        attempt = 1 + max(
+            row.operations.filter(to_version=following.version).values_list("attempt", flat=True),
+            default=0,
+        )
         operation = ReshardOperation.objects.create(
             shard_map=row,
             from_version=current.version,
             to_version=following.version,
+            attempt=attempt,
             next_shards=following.to_json()["shards"],
             next_context=None if context is None else context.to_json(),
             deadline_ms=deadline_ms,
             plans=[
-                plan.to_json()
-                if context is None
-                else {**plan.to_json(), **context.plan_members(plan)}
+                {
+                    **plan.to_json(),
+                    **({} if context is None else context.plan_members(plan)),
+                    "attempt": attempt,
+                }
                 for plan in plans
             ],
             started_at=now,
@@ -368,11 +384,12 @@ def _prepare(operation: ReshardOperation) -> None:
 def _tell_outcome(operation: ReshardOperation) -> list[str]:
     """Send commit or abort to each member not yet informed, all at once; the members still
     to tell."""
-    body = (
-        {"map": operation.shard_map.map, "commit": operation.to_version}
-        if operation.phase == ReshardPhase.COMMITTED
-        else {"map": operation.shard_map.map, "abort": operation.to_version}
-    )
+    decision = "commit" if operation.phase == ReshardPhase.COMMITTED else "abort"
+    body = {
+        "map": operation.shard_map.map,
+        decision: operation.to_version,
+        "attempt": operation.attempt,
+    }
     members = [member for member in operation.members if member not in operation.informed]
     if not members:
         return []
@@ -421,6 +438,7 @@ def operation_json(operation: ReshardOperation) -> dict:
         "map": operation.shard_map.map,
         "from": operation.from_version,
         "to": operation.to_version,
+        "attempt": operation.attempt,
         "state": operation.phase,
         "deadline_ms": operation.deadline_ms,
         "plans": operation.plans,

@@ -44,8 +44,18 @@ class Session(models.Model):
     failovers = models.PositiveIntegerField(default=0)
     failed_over_at = models.DateTimeField(null=True, blank=True)
     resumed_first_token_at = models.DateTimeField(null=True, blank=True)
+    # The resume owed to ``instance`` while the session is resuming there: its sources, as the
+    # failover chose them, and when it is (next) due. Sent until the instance accepts it
+    # (``resume_sent_at``) or refuses it (the session then moves on).
+    resume_blocks = models.JSONField(default=list, blank=True)
+    resume_resident = models.JSONField(default=list, blank=True)
+    resume_due_at = models.DateTimeField(null=True, blank=True)
+    resume_attempts = models.PositiveIntegerField(default=0)
     resume_sent_at = models.DateTimeField(null=True, blank=True)
     resume_error = models.TextField(blank=True, default="")
+    # The serving instance's account of its time to first token, sent with the first
+    # checkpoint of an epoch (the extension member ``timings_us``).
+    timings_us = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     completed_at = models.DateTimeField(null=True, blank=True)

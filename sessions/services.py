@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from index import selectors as index_selectors
@@ -25,6 +27,8 @@ from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import SessionCheckpoint
 from kvsp.states import EpochRole, accept_epoch, next_session_epoch
+from kvsp.timeline import check_timings
+from kvspsite.celery import enqueue
 from placement import pricing
 from placement.models import Instance, InstanceState
 from placement.selectors import candidates, matched_blocks
@@ -33,6 +37,8 @@ from sessions.models import OutputToken, Session, SessionState
 log = logging.getLogger(__name__)
 
 MAX_TOKENS_PER_POST = 4096
+# Unanswered sends of one resume before the session is resumed elsewhere.
+MAX_RESUME_ATTEMPTS = 6
 
 
 def parse_session_id(value: str) -> uuid.UUID:
@@ -67,6 +73,7 @@ def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> Chec
     holds, which is what lets an instance release tokens of a non-deterministic sampler.
     """
     checkpoint = SessionCheckpoint.from_json(body)
+    timings = _timings(body)
     key = parse_session_id(session_id)
     if checkpoint.session != str(key):
         raise ProtocolError("kvsp-malformed-request", "session in the body differs from the path")
@@ -89,6 +96,7 @@ def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> Chec
                     checkpoint_epoch=checkpoint.epoch,
                     checkpoint_offset=checkpoint.output_offset,
                     checkpoints=1,
+                    timings_us=timings,
                 )
                 created = True
         except IntegrityError:
@@ -113,10 +121,24 @@ def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> Chec
             session.checkpoint_epoch = checkpoint.epoch
             session.checkpoint_offset = max(session.checkpoint_offset, checkpoint.output_offset)
         session.checkpoints += 1
+        if timings is not None:
+            session.timings_us = timings
         if session.state == SessionState.RESUMING:
             session.state = SessionState.RUNNING
         session.save()
     return CheckpointAnswer(session, False)
+
+
+def _timings(body: dict) -> dict | None:
+    """The extension member ``timings_us`` of a checkpoint: the instance's account of its time
+    to first token (``kvsp.timeline``), kept on the session for the dashboard."""
+    value = body.get("timings_us")
+    if value is None:
+        return None
+    try:
+        return check_timings(value)
+    except ValueError as error:
+        raise ProtocolError("kvsp-invalid-record", str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -346,17 +368,28 @@ def do_fail_over_session(pk: int, *, failed_instance_id: int | None, now=None) -
         session.instance = instance
         session.resume_sent_at = None
         session.resume_error = "" if instance else "no active instance serves the session"
+        # The resume is owed work on this row before it is a message: when the message is lost
+        # (the broker down as this commits, say), the sweep finds the row and sends it again.
+        session.resume_attempts = 0
+        if instance is None:
+            session.resume_blocks, session.resume_resident, session.resume_due_at = [], [], None
+        else:
+            session.resume_blocks = [block.to_json() for block in breakdown.directive_blocks()]
+            session.resume_resident = list(breakdown.resident)
+            session.resume_due_at = now + _resend_after()
         session.save()
         log.info("session %s: epoch %s, resuming on %s", session.session, session.epoch, instance)
         if instance is not None:
-            blocks = [block.to_json() for block in breakdown.directive_blocks()]
-            resident = list(breakdown.resident)
             epoch = session.epoch
-            transaction.on_commit(lambda: _send_resume_later(pk, epoch, blocks, resident))
+            transaction.on_commit(lambda: _send_resume_later(pk, epoch))
     return True
 
 
-def resume_body(session: Session, blocks: list[dict], resident: list[str]) -> dict:
+def _resend_after() -> timedelta:
+    return timedelta(seconds=settings.KVSP_RESUME_RESEND_S)
+
+
+def resume_body(session: Session) -> dict:
     """POST {ii-base}sessions/{session}/resume: the latest checkpoint and the new epoch (6.8),
     with where to load its blocks from (prefix order; ``resident`` ones the instance holds).
     """
@@ -364,14 +397,97 @@ def resume_body(session: Session, blocks: list[dict], resident: list[str]) -> di
         "session": str(session.session),
         "epoch": session.epoch,
         "checkpoint": session.checkpoint,
-        "blocks": blocks,
-        "resident": resident,
+        "blocks": session.resume_blocks,
+        "resident": session.resume_resident,
         "deadline_ms": settings.KVSP_PREFETCH_DEADLINE_MS,
         "lease_ms": settings.KVSP_PREFETCH_LEASE_MS,
     }
 
 
-def _send_resume_later(pk: int, epoch: int, blocks: list[dict], resident: list[str]) -> None:
+def _send_resume_later(pk: int, epoch: int, *, countdown: float | None = None) -> None:
     from sessions.tasks import send_resume
 
-    send_resume.delay(pk, epoch, blocks, resident)
+    enqueue(send_resume, pk, epoch, countdown=countdown)
+
+
+def _owed(now):
+    """Sessions whose resume their instance has neither accepted nor refused yet."""
+    return Session.objects.filter(
+        state=SessionState.RESUMING, instance__isnull=False, resume_sent_at__isnull=True
+    ).filter(Q(resume_due_at__isnull=True) | Q(resume_due_at__lte=now))
+
+
+def do_resend_owed_resumes(*, now=None) -> int:
+    """The sweep's part: send again every resume that is due and unanswered, and count it as
+    sent for ``KVSP_RESUME_RESEND_S`` (so that the next sweep leaves it to this message)."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        due = list(_owed(now).select_for_update(skip_locked=True).values_list("pk", "epoch"))
+        Session.objects.filter(pk__in=[pk for pk, _ in due]).update(
+            resume_due_at=now + _resend_after()
+        )
+    for pk, epoch in due:
+        _send_resume_later(pk, epoch)
+    return len(due)
+
+
+def do_resume_accepted(pk: int, epoch: int, *, now=None) -> None:
+    Session.objects.filter(pk=pk, epoch=epoch, resume_sent_at__isnull=True).update(
+        resume_sent_at=now or timezone.now(), resume_due_at=None
+    )
+
+
+def do_resume_unanswered(pk: int, epoch: int, *, now=None) -> str:
+    """The instance could not be reached (or failed to answer): try again after a backoff, and
+    after ``MAX_RESUME_ATTEMPTS`` resume the session elsewhere."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        session = (
+            Session.objects.select_for_update()
+            .filter(pk=pk, epoch=epoch, state=SessionState.RESUMING, resume_sent_at__isnull=True)
+            .first()
+        )
+        if session is None:
+            return "superseded"
+        session.resume_attempts += 1
+        if session.resume_attempts >= MAX_RESUME_ATTEMPTS:
+            failed_instance_id = session.instance_id
+        else:
+            failed_instance_id = None
+            backoff = min(2 ** (session.resume_attempts - 1), 30)
+            # The sweep steps in only when the retry below does not come.
+            session.resume_due_at = now + timedelta(seconds=backoff) + _resend_after()
+        session.save(update_fields=["resume_attempts", "resume_due_at"])
+    if failed_instance_id is not None:
+        do_fail_over_session(pk, failed_instance_id=failed_instance_id)
+        return "unreachable: resumed elsewhere"
+    _send_resume_later(pk, epoch, countdown=backoff)
+    return "unreachable: retried"
+
+
+def do_resume_refused(pk: int, epoch: int, reason: str) -> None:
+    """The instance refused the resume: the session moves on to another."""
+    with transaction.atomic():
+        session = (
+            Session.objects.select_for_update()
+            .filter(pk=pk, epoch=epoch, state=SessionState.RESUMING)
+            .first()
+        )
+        if session is None:
+            return
+        session.resume_error = reason
+        session.save(update_fields=["resume_error"])
+    do_fail_over_session(pk, failed_instance_id=session.instance_id)
+
+
+def do_fail_over_lost_sessions(*, now=None) -> int:
+    """Sessions still with an instance the PC has failed: their failover was lost (the process
+    failing the instance died before it moved them). Move them now."""
+    lost = Session.objects.filter(
+        state__in=[SessionState.RUNNING, SessionState.RESUMING],
+        instance__state=InstanceState.FAILED,
+    ).values_list("pk", "instance_id")
+    return sum(
+        do_fail_over_session(pk, failed_instance_id=instance_id, now=now)
+        for pk, instance_id in lost
+    )

@@ -1,8 +1,7 @@
-"""Tasks of session failover: sending resume to the chosen instance, retrying stalled ones."""
+"""Tasks of session failover: sending resume to the chosen instance, and the sweep that sends
+again every resume still owed (each is work recorded on the session's row first)."""
 
 from __future__ import annotations
-
-from django.utils import timezone
 
 from kvsp.problems import ProtocolError
 from kvspsite.celery import add_housekeeping, kvsp_task
@@ -10,46 +9,45 @@ from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 from sessions import services
 from sessions.models import Session, SessionState
 
-MAX_RESUME_RETRIES = 5
 
-
-@kvsp_task(name="sessions.send_resume", max_retries=MAX_RESUME_RETRIES, time_limit=60, bind=True)
-def send_resume(self, pk: int, epoch: int, blocks: list, resident: list) -> str:
-    """POST sessions/{id}/resume on the chosen instance (6.8); another instance if it refuses."""
+@kvsp_task(name="sessions.send_resume", max_retries=0, time_limit=60)
+def send_resume(pk: int, epoch: int) -> str:
+    """POST sessions/{id}/resume on the chosen instance (6.8); another instance if it refuses
+    or never answers."""
     session = Session.objects.select_related("instance").filter(pk=pk).first()
-    if session is None or session.epoch != epoch or session.state != SessionState.RESUMING:
+    if (
+        session is None
+        or session.epoch != epoch
+        or session.state != SessionState.RESUMING
+        or session.instance is None
+    ):
         return "superseded"
     if session.resume_sent_at is not None:
         return "done"
     url = f"{session.instance.url}sessions/{session.session}/resume"
     try:
         with peer_client() as client:
-            raise_for_problem(
-                call(client, "POST", url, json=services.resume_body(session, blocks, resident))
-            )
+            raise_for_problem(call(client, "POST", url, json=services.resume_body(session)))
     except PeerUnreachable:
-        if self.request.retries < MAX_RESUME_RETRIES:
-            raise
-        services.do_fail_over_session(pk, failed_instance_id=session.instance_id)
-        return "unreachable: resumed elsewhere"
+        return services.do_resume_unanswered(pk, epoch)
     except ProtocolError as error:
-        Session.objects.filter(pk=pk, epoch=epoch).update(resume_error=error.detail)
-        services.do_fail_over_session(pk, failed_instance_id=session.instance_id)
+        services.do_resume_refused(pk, epoch, error.detail)
         return f"refused ({error.problem}): resumed elsewhere"
-    Session.objects.filter(pk=pk, epoch=epoch, resume_sent_at__isnull=True).update(
-        resume_sent_at=timezone.now()
-    )
+    services.do_resume_accepted(pk, epoch)
     return "sent"
 
 
 @kvsp_task(name="sessions.retry_stalled", time_limit=120, max_retries=0)
 def retry_stalled() -> int:
-    """Sessions waiting for an instance to resume on: try again now that others may be up."""
+    """Work owed to sessions whose message was lost or is not due yet: sessions waiting for an
+    instance to resume on (others may be up now), sessions still with an instance that failed,
+    and resumes sent but neither accepted nor refused. Returns how many it moved or sent."""
     stalled = Session.objects.filter(state=SessionState.RESUMING, instance__isnull=True)
-    return sum(
+    moved = sum(
         services.do_fail_over_session(pk, failed_instance_id=None)
         for pk in stalled.values_list("pk", flat=True)
     )
+    return moved + services.do_fail_over_lost_sessions() + services.do_resend_owed_resumes()
 
 
 add_housekeeping("retry-stalled-sessions", "sessions.retry_stalled", 5.0)

@@ -85,6 +85,7 @@ class ServedSessionAdmin(ReadOnlyAdmin):
         "checkpoint_offset",
         "received_at",
         "finished_at",
+        "timings_us",
         "reason",
     )
     list_filter = ("instance", "kind", "state")
@@ -96,6 +97,7 @@ class ReshardMoveAdmin(ReadOnlyAdmin):
     list_display = (
         "map",
         "to_version",
+        "attempt",
         "instance",
         "phase",
         "fetched_blocks",

@@ -1,20 +1,26 @@
 """What a node asks of the control plane, over the same HTTP API any holder would use (DESIGN.md
-section 3), with the node's token: publish and withdraw Replica Records (6.1), read the records
-of blocks it is about to fetch (6.2), read Compatibility Descriptors (4.1), report its status
-(6.3), read scope keys (4.2), and publish the checkpoints and output tokens of the sessions it
-serves (6.8).
+section 3), with the node's token: publish and withdraw Replica Records (6.1; many at once
+through the batch form where the control plane has it), read the records of blocks it is about
+to fetch (6.2), read Compatibility Descriptors (4.1), report its status (6.3), read scope keys
+(4.2), and publish the checkpoints and output tokens of the sessions it serves (6.8).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
 
 import httpx
+import orjson
 from django.conf import settings
 
 from kvsp.blockkeys import scope_id as scope_id_of
-from kvsp.problems import ProtocolError
+from kvsp.problems import ProtocolError, problem_name
 from kvsp.records import InstanceStatusRecord, ReplicaRecord, SessionCheckpoint
 from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 
@@ -50,6 +56,191 @@ def publish(record: ReplicaRecord) -> int:
     path = _replica_path(record.compat_id_bytes, record.scope_id_bytes, record.block_key_bytes)
     response = raise_for_problem(call(client(), "PUT", path, json=record.to_json()))
     return int(response.json().get("ttl_ms", record.ttl_ms))
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """What the IS made of one record: the TTL it granted, or why it was not published."""
+
+    record: ReplicaRecord
+    ttl_ms: int | None = None
+    error: ProtocolError | PeerUnreachable | None = None
+
+    @property
+    def published(self) -> bool:
+        return self.error is None
+
+
+# Records published at the same time where the control plane takes them one PUT each.
+PUBLISH_PARALLEL = 8
+# What a control plane that speaks only the spec answers to a batch route: no such route.
+_NO_BATCH_ROUTE = (404, 405)
+# How long such a control plane is sent single PUTs before the batch route is tried again (it
+# may have been upgraded meanwhile).
+_NO_BATCH_ROUTE_RETRY_S = 300.0
+_no_batch_route_until: dict[str, float] = {}
+# Room for the envelope, {"records": [...]} or {"replicas": [...]}, around the items.
+_BATCH_ENVELOPE_OCTETS = 64
+
+
+def publish_replicas(records: list[ReplicaRecord]) -> list[PublishOutcome]:
+    """Publish many records (6.1) in as few requests as the control plane takes: ``POST CP
+    replicas`` (DESIGN.md section 3) in chunks of at most KVSP_MAX_BATCH_RECORDS records and
+    KVSP_MAX_BODY_OCTETS octets, or single PUTs where the control plane has no batch route.
+    One outcome per record, in order; a record the IS refused, or could not be asked about,
+    is an outcome with its error rather than an exception."""
+
+    def outcome(url: str, record: ReplicaRecord, result: dict) -> PublishOutcome:
+        if result.get("status") in (200, 201):
+            granted = result.get("ttl_ms")
+            ttl_ms = granted if type(granted) is int else record.ttl_ms
+            return PublishOutcome(record, ttl_ms=ttl_ms)
+        return PublishOutcome(record, error=_refusal(url, record.block_key, result))
+
+    return _in_batches(
+        "replicas",
+        "records",
+        records,
+        encode=ReplicaRecord.to_json,
+        outcome=outcome,
+        one_by_one=_publish_each,
+        failed=lambda record, failure: PublishOutcome(record, error=failure),
+    )
+
+
+def withdraw_replicas(replicas: list[tuple[bytes, bytes, bytes]]) -> list[Exception | None]:
+    """Withdraw this node's records of many replicas, each (compat_id, scope_id, block_key)
+    (6.1), as ``publish_replicas`` publishes: ``POST CP replicas/withdrawals`` in chunks, or
+    one DELETE each where the control plane has no batch route. One error or None per replica,
+    in order; a record the IS no longer has is fine."""
+    holder = settings.KVSP_PUBLIC_URL
+
+    def encode(ids: tuple) -> dict:
+        compat_id, scope_id, block_key = ids
+        return {
+            "compat_id": compat_id.hex(),
+            "scope_id": scope_id.hex(),
+            "block_key": block_key.hex(),
+            "holder": holder,
+        }
+
+    def outcome(url: str, ids: tuple, result: dict) -> Exception | None:
+        if result.get("status") in (204, 404):
+            return None
+        return _refusal(url, ids[2].hex(), result)
+
+    return _in_batches(
+        "replicas/withdrawals",
+        "replicas",
+        replicas,
+        encode=encode,
+        outcome=outcome,
+        one_by_one=lambda items: [_withdraw_one(ids) for ids in items],
+        failed=lambda ids, failure: failure,
+    )
+
+
+def _in_batches(route: str, member: str, items: list, *, encode, outcome, one_by_one, failed):
+    """``items`` sent to the batch route ``route`` as ``{member: [...]}``, in chunks the
+    control plane takes; ``outcome(url, item, result)`` of each result, ``one_by_one(items)``
+    where the route is missing (or for a single item), ``failed(item, error)`` for each item of
+    a request that failed whole."""
+    if not items:
+        return []
+    try:
+        url = f"{_base()}{route}"
+    except PeerUnreachable as unreachable:
+        return [failed(item, unreachable) for item in items]
+    if len(items) == 1 or time.monotonic() < _no_batch_route_until.get(url, 0.0):
+        return one_by_one(items)  # the spec's own request for a single item
+    encoded = [orjson.dumps(encode(item)) for item in items]
+    chunk = partial(_post_chunk, url, member, outcome=outcome, one_by_one=one_by_one, failed=failed)
+    results, start = [], 0
+    for end in _chunk_ends(encoded):
+        results += chunk(items[start:end], encoded[start:end])
+        start = end
+    return results
+
+
+def _chunk_ends(encoded: list[bytes]) -> Iterator[int]:
+    """Where each chunk of ``encoded`` items ends: as many as a batch may carry."""
+    most_items = max(settings.KVSP_MAX_BATCH_RECORDS, 1)
+    most_octets = settings.DATA_UPLOAD_MAX_MEMORY_SIZE - _BATCH_ENVELOPE_OCTETS
+    count = octets = 0
+    for index, body in enumerate(encoded):
+        if count and (count == most_items or octets + len(body) + 1 > most_octets):
+            yield index
+            count = octets = 0
+        count += 1
+        octets += len(body) + 1
+    yield len(encoded)
+
+
+def _post_chunk(url, member, items, encoded, *, outcome, one_by_one, failed) -> list:
+    body = b'{"' + member.encode() + b'":[' + b",".join(encoded) + b"]}"
+    try:
+        response = call(
+            client(),
+            "POST",
+            url,
+            content=body,
+            headers={"Content-Type": "application/kvsp+json"},
+        )
+        if response.status_code in _NO_BATCH_ROUTE:
+            _no_batch_route_until[url] = time.monotonic() + _NO_BATCH_ROUTE_RETRY_S
+            return one_by_one(items)
+        if response.status_code == 413 and len(items) > 1:  # a smaller body limit there
+            half = len(items) // 2
+            again = partial(
+                _post_chunk, url, member, outcome=outcome, one_by_one=one_by_one, failed=failed
+            )
+            return again(items[:half], encoded[:half]) + again(items[half:], encoded[half:])
+        results = raise_for_problem(response).json().get("results")
+        if not isinstance(results, list) or len(results) != len(items):
+            raise ProtocolError("kvsp-upstream-error", f"{url}: the answer lists other results")
+    except ValueError:
+        failure = ProtocolError("kvsp-upstream-error", f"{url}: the answer is not JSON")
+        return [failed(item, failure) for item in items]
+    except (ProtocolError, PeerUnreachable) as failure:
+        return [failed(item, failure) for item in items]
+    return [
+        outcome(url, item, result if isinstance(result, dict) else {})
+        for item, result in zip(items, results, strict=True)
+    ]
+
+
+def _refusal(url: str, block_key: str, result: dict) -> ProtocolError | PeerUnreachable:
+    """The error one result of a batch answer reports."""
+    status = result.get("status")
+    problem = result.get("problem") if isinstance(result.get("problem"), dict) else {}
+    detail = f"{url}: {block_key}: {problem.get('detail', 'refused')}"
+    if type(status) is int and status >= 500:
+        return PeerUnreachable(detail)
+    name = problem_name(str(problem.get("type", ""))) or "kvsp-upstream-error"
+    status = status if type(status) is int and 400 <= status < 500 else None
+    return ProtocolError(name, detail, status=status)
+
+
+def _publish_one(record: ReplicaRecord) -> PublishOutcome:
+    try:
+        return PublishOutcome(record, ttl_ms=publish(record))
+    except (ProtocolError, PeerUnreachable) as failure:
+        return PublishOutcome(record, error=failure)
+
+
+def _publish_each(records: list[ReplicaRecord]) -> list[PublishOutcome]:
+    if len(records) == 1:
+        return [_publish_one(records[0])]
+    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(records))) as pool:
+        return list(pool.map(_publish_one, records))
+
+
+def _withdraw_one(ids: tuple) -> Exception | None:
+    try:
+        withdraw(*ids)
+    except (ProtocolError, PeerUnreachable) as failure:
+        return failure
+    return None
 
 
 def withdraw(compat_id: bytes, scope_id: bytes, block_key: bytes) -> None:
@@ -118,8 +309,6 @@ def geometry(compat_id: bytes):
     """The geometry of ``compat_id`` from its registered descriptor (cached: descriptors never
     change), or None when none is registered or the control plane cannot say (asked again after
     a while)."""
-    import time
-
     from workers.tiers import Geometry
 
     with _geometries_lock:
@@ -157,14 +346,16 @@ def scope_key(scope_id: bytes) -> bytes:
     return key
 
 
-def put_checkpoint(record: SessionCheckpoint) -> int:
-    """PUT sessions/{session}/checkpoint (6.8); the output_offset the PC acknowledges."""
+def put_checkpoint(record: SessionCheckpoint, extensions: dict | None = None) -> int:
+    """PUT sessions/{session}/checkpoint (6.8), with extension members beside the record's
+    own (4.4: a receiver ignores those it does not know); the output_offset the PC
+    acknowledges."""
     response = raise_for_problem(
         call(
             client(),
             "PUT",
             f"{_base()}sessions/{record.session}/checkpoint",
-            json=record.to_json(),
+            json={**(extensions or {}), **record.to_json()},
         )
     )
     offset = response.json().get("output_offset")

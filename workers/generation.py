@@ -6,10 +6,14 @@ end; then the longest prefix of the prompt's blocks the tier store holds is impo
 layer from it (device-tier copies where there are some, mapped serving copies otherwise) while
 the forward pass over the rest of the prompt runs layer l as soon as layer l has arrived (4.3).
 The last prompt token is always run, for the logits of the first output token. The blocks the
-instance computed itself are exported from the engine's cache, stored in the tier store and
-published like any block the node holds (6.1), and copied to the session holders
-(``KVSP_SESSION_HOLDERS``), all before the first checkpoint names them: a checkpoint lists
-prompt blocks by key alone, so a session can be resumed only while they exist somewhere.
+instance computed itself are exported from the engine's cache and stored in its own tier store
+at once (a local write); they are published like any block the node holds (6.1) and copied to
+the session holders (``KVSP_SESSION_HOLDERS``) off the token path, so the first output token
+never waits for either. A checkpoint lists prompt blocks by key alone, so it names only blocks
+that exist elsewhere: those that were held already, and the computed ones once every one of
+them is published and at a session holder. Until then ``prompt_tail`` carries every prompt
+token after the named blocks, and a resume recomputes them (6.8 step 2): a session is always
+resumable, and a resume is never refused for want of a prompt block it could compute.
 
 Decoding. Every output token goes to the front end with its index and the session epoch. The
 first checkpoint covers the first output token, so that whoever resumes always has a token to
@@ -52,8 +56,9 @@ from django.utils import timezone
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import Sampler, SessionCheckpoint
+from kvsp.timeline import StepTimer
 from kvspsite.peers import PeerUnreachable
-from workers import control, fetch, services
+from workers import control, fetch, notices, services
 from workers import prefetch as prefetching
 from workers import sessions as served
 from workers.models import Directive, DirectiveState, ServedSession, SessionKind, StoredBlock
@@ -69,7 +74,6 @@ DIRECTIVE_ARRIVAL_S = 2.0
 # Past a directive's deadline, how long its loads may take to stop before the generation goes
 # on without waiting.
 DIRECTIVE_SLACK_S = 2.0
-POLL_S = 0.01
 # A layer of an import that does not arrive in this time ends the import.
 IMPORT_TIMEOUT_S = 120.0
 # How long a call to the control plane is retried while it cannot be reached. By then the PC,
@@ -171,19 +175,19 @@ def serve_prompt(runtime, engine, compat_id: bytes, scope_id: bytes, keys, token
 
 def wait_for_directive(name: str, request_ref: str) -> Directive | None:
     """The prefetch directive of ``request_ref`` once it has ended (or passed its deadline),
-    waiting for it to arrive for DIRECTIVE_ARRIVAL_S; None when none came."""
-    give_up = time.monotonic() + DIRECTIVE_ARRIVAL_S
+    waiting for it to arrive for DIRECTIVE_ARRIVAL_S; None when none came. This process loads
+    directives, and notifies when one starts and when one ends (``workers.notices``)."""
     rows = Directive.objects.filter(instance=name, request_ref=request_ref).order_by("-received_at")
-    row = rows.first()
-    while row is None and time.monotonic() < give_up:
-        time.sleep(POLL_S)
-        row = rows.first()
+    row = notices.wait_until(rows.first, DIRECTIVE_ARRIVAL_S)
     if row is None:
         return None
     limit = row.deadline_at + timedelta(seconds=DIRECTIVE_SLACK_S)
-    while row.state == DirectiveState.PENDING and timezone.now() < limit:
-        time.sleep(POLL_S)
+
+    def ended():
         row.refresh_from_db(fields=["state", "loaded"])
+        return row.state != DirectiveState.PENDING
+
+    notices.wait_until(ended, max((limit - timezone.now()).total_seconds(), 0))
     return row
 
 
@@ -252,6 +256,12 @@ class SessionRun:
         self.first_token_at = None
         # Whether the session's last output token has been drawn.
         self.ended = False
+        # Where the time to the first output token goes: waiting in the queue, the directive
+        # (or a resume's loading), the prompt (imported and computed), the first checkpoint,
+        # the first token's post.
+        self.timer = StepTimer()
+        if row.started_at is not None:
+            self.timer.add("queued", (row.started_at - row.received_at).total_seconds() * 1e6)
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -294,6 +304,7 @@ class SessionRun:
             "recomputed_tokens": self.recomputed_tokens,
             "published_blocks": self.writer.stored,
             "first_token_at": self.first_token_at,
+            "timings_us": self.timer.spent,
         }
 
     # -- the start of a generation and of a resume ----------------------------------------------
@@ -304,21 +315,28 @@ class SessionRun:
         scope_key = control.scope_key(self.scope_id)
         prompt = list(request.prompt)
         keys = blockkeys.block_keys(scope_key, self.compat_id, prompt, block_tokens)
+        self.timer.lap("keys")
         if request.request_ref:
             wait_for_directive(self.name, request.request_ref)
+        self.timer.lap("directive")
         prompt_served = serve_prompt(
             self.runtime, engine, self.compat_id, self.scope_id, keys, prompt, recompute=False
         )
         self.sequence = prompt_served.sequence
         self.loaded_blocks = prompt_served.loaded_blocks
         self.recomputed_tokens = prompt_served.recomputed_tokens
-        # The prompt blocks computed here exist nowhere else yet: they are stored (and copied
-        # to the session holders) before the first checkpoint names them.
-        self.writer.store_now(
-            [(index, key) for index, key in enumerate(keys) if key not in prompt_served.held]
+        # Checkpoints name the leading blocks that were held already; the prompt blocks
+        # computed here go to the node's own tiers now and are published and copied to the
+        # session holders off the token path, and named once they exist elsewhere. Until
+        # then the checkpoint carries their tokens in prompt_tail, so a resume recomputes them.
+        named = 0
+        while named < len(keys) and keys[named] in prompt_served.held:
+            named += 1
+        self._name_prompt(keys[:named], prompt[named * block_tokens :])
+        self.writer.store_prompt(
+            [(index, key) for index, key in enumerate(keys) if key not in prompt_served.held],
+            named=(keys, prompt[len(keys) * block_tokens :]),
         )
-        self.prompt_blocks = tuple(key.hex() for key in keys)
-        self.prompt_tail = tuple(prompt[len(keys) * block_tokens :])
         self.chain = blockkeys.BlockKeyChain(
             scope_key,
             self.compat_id,
@@ -326,9 +344,10 @@ class SessionRun:
             previous=keys[-1] if keys else None,
             count=len(keys),
         )
-        self.chain.extend(self.prompt_tail)
+        self.chain.extend(prompt[len(keys) * block_tokens :])
         self.sampler = _token_sampler(request.sampler)
         self.max_tokens = request.max_tokens
+        self.timer.lap("prompt")
 
     def _begin_resume(self) -> None:
         request = served.ResumeRequest.from_json(self.session, self.row.body)
@@ -349,6 +368,7 @@ class SessionRun:
             prefetching.run_directive(
                 self.row.directive_id, self.runtime.device_tier, admitted=True
             )
+        self.timer.lap("directive")
         held = held_prefix(self.name, self.compat_id, self.scope_id, keys)
         if len(held) < len(prompt_keys):
             missing = prompt_keys[len(held)].hex()
@@ -375,15 +395,23 @@ class SessionRun:
         self.max_tokens = served.split_max_tokens(checkpoint.sampler)[1] or (
             self.engine.max_positions - self.sequence.length + len(self.generated)
         )
+        self.timer.lap("prompt")
         # Under its new epoch the session is this instance's from the first checkpoint on.
         self._checkpoint()
         held_keys = {bytes(block.block_key) for block in held}
-        self.writer.store_now(
+        # Blocks of prompt_tail and of the covered tokens computed here: stored now, published
+        # off the token path; the prompt's among them are named once they exist elsewhere.
+        tail_blocks = len(checkpoint.prompt_tail) // block_tokens
+        self.writer.store_prompt(
             [
                 (index, keys[index])
                 for index in range(len(prompt_keys), self.sequence.complete_blocks)
                 if keys[index] not in held_keys
-            ]
+            ],
+            named=(
+                keys[: len(prompt_keys) + tail_blocks],
+                list(checkpoint.prompt_tail[tail_blocks * block_tokens :]),
+            ),
         )
         self._deliver_covered()
 
@@ -464,8 +492,15 @@ class SessionRun:
             deterministic=record.deterministic,
         )
 
+    def _name_prompt(self, keys: list[bytes], tail) -> None:
+        self.prompt_blocks = tuple(key.hex() for key in keys)
+        self.prompt_tail = tuple(tail)
+
     def _checkpoint(self) -> None:
         """Publish a checkpoint covering every output token drawn so far (4.4, 6.8)."""
+        named = self.writer.prompt_named()
+        if named is not None:
+            self._name_prompt(*named)
         offset = len(self.generated)
         record = SessionCheckpoint(
             session=self.session,
@@ -478,7 +513,13 @@ class SessionRun:
             output_offset=offset,
             sampler=self._sampler_record(),
         )
-        self._call(control.put_checkpoint, record)
+        first = self.acknowledged is None
+        if first:
+            self.timer.lap("first_token")  # drawing it (a resume: its covered tokens' logits)
+        extensions = {"timings_us": dict(self.timer.spent)} if first else None
+        self._call(control.put_checkpoint, record, extensions)
+        if first:
+            self.timer.lap("first_checkpoint")
         # The PC holds this checkpoint or one further on, under this epoch: everything drawn
         # so far is covered.
         self.acknowledged = offset
@@ -504,6 +545,8 @@ class SessionRun:
         self.released += len(ready)
         if self.first_token_at is None:
             self.first_token_at = timezone.now()
+            self.timer.lap("first_post")
+            served.do_note_progress(self.row.pk, timings_us=self.timer.spent)
 
     def export(self, index: int, key: bytes) -> tuple:
         """Block ``index`` of the session's cache as a container, with its ids."""
@@ -513,10 +556,13 @@ class SessionRun:
 
 class BlockWriter:
     """Stores the blocks a session computed, publishes their records (6.1) and copies them to
-    the session holders. ``store_now`` does it before returning (prompt blocks, which the
-    first checkpoint names); ``store_later`` on a thread of the writer's own, so that decoding
-    does not wait for generated blocks. Blocks are exported from the engine's cache on the
-    caller's thread, which is the one that owns the sequence."""
+    the session holders, on a thread of the writer's own, so that neither the first token nor
+    decoding waits for publication. ``store_prompt`` writes the prompt's blocks to the node's
+    own tiers before it returns (a local write) and hands their publication and copies to the
+    thread; ``prompt_named`` then says, once every one of them exists at a session holder
+    too, which keys and tail the checkpoints may name. ``store_later`` hands generated blocks
+    over whole. Blocks are exported from the engine's cache on the caller's thread, which is
+    the one that owns the sequence."""
 
     def __init__(self, run: SessionRun):
         self.run = run
@@ -524,33 +570,56 @@ class BlockWriter:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._discard = threading.Event()
+        self._named = None
+        self._named_ready = threading.Event()
 
-    def store_now(self, blocks: list[tuple[int, bytes]]) -> None:
-        if blocks:
-            self.stored += store_blocks(
-                [self.run.export(index, key) for index, key in blocks],
-                self.run.engine.block_tokens,
-            )
+    def store_prompt(self, blocks: list[tuple[int, bytes]], *, named) -> None:
+        self._named = named
+        if not blocks:  # every block was held already
+            self._named_ready.set()
+            return
+        exported = [self.run.export(index, key) for index, key in blocks]
+        stored = services.do_store_exported(exported, self.run.engine.block_tokens)
+        self.stored += len(stored)
+        self._put(("prompt", stored, exported))
+
+    def prompt_named(self):
+        """``(keys, tail)`` the checkpoints name from now on, or None while the prompt's
+        blocks exist here alone."""
+        if self._named_ready.is_set():
+            named, self._named = self._named, None
+            self._named_ready.clear()
+            return named
+        return None
 
     def store_later(self, blocks: list[tuple[int, bytes]]) -> None:
-        if not blocks:
-            return
+        if blocks:
+            self._put(("generated", [self.run.export(index, key) for index, key in blocks]))
+
+    def _put(self, job) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._drain, name="kvsp-blocks", daemon=True)
             self._thread.start()
-        for index, key in blocks:
-            self._queue.put(self.run.export(index, key))
+        self._queue.put(job)
 
     def _drain(self) -> None:
         try:
             while True:
-                batch = [self._queue.get()]
+                jobs = [self._queue.get()]
                 while not self._queue.empty():
-                    batch.append(self._queue.get())
-                done = batch[-1] is None
-                batch = [item for item in batch if item is not None]
-                if batch and not self._discard.is_set():
-                    self.stored += store_blocks(batch, self.run.engine.block_tokens)
+                    jobs.append(self._queue.get())
+                done = jobs[-1] is None
+                generated = []
+                for job in jobs:
+                    if job is None or self._discard.is_set():
+                        continue
+                    if job[0] == "prompt":
+                        if publish_and_copy(job[1], job[2]):
+                            self._named_ready.set()
+                    else:
+                        generated += job[1]
+                if generated:
+                    self.stored += store_blocks(generated, self.run.engine.block_tokens)
                 if done:
                     return
         except Exception:
@@ -570,42 +639,50 @@ class BlockWriter:
 
 def store_blocks(blocks: list[tuple], token_count: int) -> int:
     """Store exported blocks in the tier store, then publish the records of those newly stored
-    and copy every one to the session holders, PUBLISH_PARALLEL at a time. Returns how many
-    were newly stored."""
+    and copy every one to the session holders. Returns how many were newly stored."""
     stored = services.do_store_exported(blocks, token_count)
-    jobs = [partial(services.publish_current, pk) for pk in stored]
-    jobs += [partial(copy_to_session_holders, ids, encoded) for ids, encoded in blocks]
-    _run_all(jobs)
+    publish_and_copy(stored, blocks)
     return len(stored)
 
 
-def _run_all(jobs) -> None:
-    def run(job) -> None:
+def publish_and_copy(stored: list[int], blocks: list[tuple]) -> bool:
+    """Publish the records of the rows ``stored`` (in batches) and copy every block to the
+    session holders, PUBLISH_PARALLEL at a time. True when every block exists elsewhere now: at a
+    session holder (and, when newly stored, in the index)."""
+    jobs = [lambda: services.publish_all(stored) == len(stored)] if stored else []
+    jobs += [partial(copy_to_session_holders, ids, encoded) for ids, encoded in blocks]
+    return all(_run_all(jobs))
+
+
+def _run_all(jobs) -> list:
+    def run(job):
         try:
-            job()
+            return job()
         finally:
             connections.close_all()
 
-    if len(jobs) == 1:
-        jobs[0]()
-        return
-    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, max(len(jobs), 1))) as pool:
-        list(pool.map(run, jobs))
+    if len(jobs) <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(jobs))) as pool:
+        return list(pool.map(run, jobs))
 
 
-def copy_to_session_holders(ids, encoded) -> None:
+def copy_to_session_holders(ids, encoded) -> bool:
     """PUT a block at each session holder (6.7); a holder that has it already keeps its copy.
-    A failure leaves the block with this node alone, and is logged."""
+    True when at least one session holder has it; a failure is logged."""
     holders = [h for h in settings.KVSP_SESSION_HOLDERS if h != settings.KVSP_PUBLIC_URL]
     if not holders:
-        return
+        return False
     octets = encoded.tobytes()
     sha256 = hashlib.sha256(octets).digest()
+    copied = False
     for holder in holders:
         try:
             fetch.store_block(control.client(), holder, ids, octets, sha256)
+            copied = True
         except (ProtocolError, fetch.DeadlineExpired) as error:
             log.warning("block %s not copied to %s: %s", ids[2].hex(), holder, error)
+    return copied
 
 
 def _token_sampler(record: Sampler):

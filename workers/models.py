@@ -290,6 +290,8 @@ class ServedSession(models.Model):
     loaded_blocks = models.PositiveIntegerField(default=0)
     recomputed_tokens = models.PositiveIntegerField(default=0)
     published_blocks = models.PositiveIntegerField(default=0)
+    # Where the time to the first output token went, step by step (``SessionRun``).
+    timings_us = models.JSONField(default=dict, blank=True)
     received_at = models.DateTimeField()
     started_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)
@@ -327,12 +329,17 @@ class ReshardMove(models.Model):
     ``fetch_keys`` are the Block Keys of the plan's fetch ranges, ``release_keys`` those of its
     release ranges, hex; ``owed_release`` the ones still held after the commit because a lease
     covered them.
+
+    After an abort the PC may try the same move again: each try is a row, ``attempt`` the
+    number the PC gave it (the plan's extension member ``attempt``; null when it gave none).
+    At most one try of a move is not aborted.
     """
 
     instance = models.CharField(max_length=100)
     map = models.CharField(max_length=128)
     from_version = models.PositiveBigIntegerField(null=True, blank=True)
     to_version = models.PositiveBigIntegerField()
+    attempt = models.PositiveBigIntegerField(null=True, blank=True)
     phase = models.CharField(max_length=16, choices=MovePhase.choices, default=MovePhase.PREPARING)
     # The plan as received, normalized (kvsp.records.ReshardPlan JSON and its block members).
     plan = models.JSONField(null=True, blank=True)
@@ -356,8 +363,13 @@ class ReshardMove(models.Model):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["instance", "map", "to_version"], name="node_reshard_move"
-            )
+                fields=["instance", "map", "to_version"],
+                condition=~models.Q(phase="aborted"),
+                name="node_live_reshard_move",
+            ),
+            models.UniqueConstraint(
+                fields=["instance", "map", "to_version", "attempt"], name="node_reshard_attempt"
+            ),
         ]
         indexes = [models.Index(fields=["instance", "phase"])]
         ordering = ["-received_at"]

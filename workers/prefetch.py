@@ -32,7 +32,7 @@ from kvsp.records import DirectiveBlock, LeaseRequest, PrefetchDirective, Replic
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
 from kvspsite.celery import RETRYABLE
 from kvspsite.peers import PeerUnreachable, peer_client
-from workers import control, fetch, selectors, services
+from workers import control, fetch, notices, selectors, services
 from workers.links import LinkMeter
 from workers.models import Directive, DirectiveState, Node, NodeState
 from workers.tiers import DeviceTier
@@ -283,6 +283,7 @@ class DirectiveRun:
             row.reason = reason or ""
             row.finished_at = timezone.now()
             row.save(update_fields=["state", "loaded", "reason", "finished_at"])
+        notices.notify()
         log.info(
             "directive %s: %s, %d of %d blocks (%s)",
             row.directive,
@@ -309,6 +310,7 @@ def run_directive(
             started_at=timezone.now()
         )
     run = DirectiveRun(row, device_tier, admitted=admitted)
+    notices.notify()  # a generation may be waiting for this directive to arrive
     try:
         return run.run()
     except RETRYABLE:

@@ -33,6 +33,16 @@ The phases of a move are ``kvsp.states.RESHARD_PHASES``; each move is a row
 
 Commit and abort are idempotent; the opposite one after either is refused with
 ``kvsp-invalid-state`` (409) and changes nothing.
+
+Tries. After an abort, version v is still authoritative and the PC may try the same move again:
+a plan after an abort is a new try, a row of its own. This implementation's PC numbers its tries
+with the extension member ``"attempt"`` in every plan, commit and abort, since the abort of one
+try may reach a member after the plan of the next (the PC repeats it until each member has
+heard it). A message with a number is about the try of that number: a plan or commit of an
+older try than the latest here is refused (409 ``kvsp-invalid-state``), and an abort of one
+changes nothing. A try still preparing when the plan or decision of a later one arrives is
+aborted; what it fetched and the later try wants passes to that one. Messages without a number
+are about the latest try.
 """
 
 from __future__ import annotations
@@ -186,6 +196,7 @@ def move_json(move: ReshardMove) -> dict:
         "map": move.map,
         "from": move.from_version,
         "to": move.to_version,
+        "attempt": move.attempt,
         "state": move.phase,
         "loaded": move.loaded_at is not None,
         "fetched_blocks": move.fetched_blocks,
@@ -222,6 +233,7 @@ def do_prepare(plan: ReshardPlan, body: dict) -> ReshardMove:
         document,
         None if blocks is None else _move_blocks(plan, blocks),
         plan.deadline_ms,
+        attempt_of(body),
     )
     if load:
         # When the broker cannot take it now, the deadline passes unacknowledged: the PC aborts,
@@ -255,11 +267,22 @@ def _wait_loaded(move: ReshardMove, deadline_ms: int) -> ReshardMove:
         time.sleep(POLL_S)
 
 
-def do_decide(decision: ReshardCommit | ReshardAbort) -> ReshardMove:
-    """A commit or an abort (6.9)."""
+def do_decide(decision: ReshardCommit | ReshardAbort, body: dict) -> ReshardMove:
+    """A commit or an abort (6.9); ``body`` is the decision as received."""
     if isinstance(decision, ReshardCommit):
-        return services.do_commit_move(decision.map, decision.commit)
-    return services.do_abort_move(decision.map, decision.abort)
+        return services.do_commit_move(decision.map, decision.commit, attempt_of(body))
+    return services.do_abort_move(decision.map, decision.abort, attempt_of(body))
+
+
+def attempt_of(body: dict) -> int | None:
+    """The extension member ``attempt`` of a plan, commit or abort: which of the PC's tries of
+    the move the message is about (None when it does not say)."""
+    attempt = body.get("attempt")
+    if attempt is None:
+        return None
+    if type(attempt) is not int or not 1 <= attempt <= UINT32_MAX:
+        raise InvalidRecord(("attempt",), f"must be an integer from 1 to {UINT32_MAX}")
+    return attempt
 
 
 # --- Loading the fetch ranges, on the instance's worker ------------------------------------------

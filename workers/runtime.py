@@ -168,11 +168,11 @@ class NodeRuntime:
         services.ensure_node(self.name)
         # The HTTP process admits sessions only once this worker's engine says what it serves.
         services.do_note_engine(self.name, None)
-        self.epoch = services.do_begin_incarnation(self.name)
+        services.do_reset_device_residency(self.name)
+        self.begin_incarnation()
         interrupted = services.do_fail_interrupted_sessions(self.name, self.epoch)
         if interrupted:
             log.warning("node %s: %d sessions were cut short by a restart", self.name, interrupted)
-        services.do_reset_device_residency(self.name)
         checked = services.do_check_tier_store(self.name)
         if checked["lost"]:
             log.error("node %s: lost blocks withdrawn: %s", self.name, checked["lost"])
@@ -190,6 +190,17 @@ class NodeRuntime:
         for thread in self._threads:
             thread.start()
         log.info("node %s: epoch %d, worker ready", self.name, self.epoch)
+
+    def begin_incarnation(self) -> int:
+        """A new epoch (6.3): when the worker starts, and again when the PC has written the
+        running one off (its record expired during a pause, a stall or a lock), so that such
+        a pause costs a failover but never the node. Every record is published again at once
+        (records may have expired meanwhile). Sessions still running from before a pause are
+        the PC's to have resumed elsewhere under higher session epochs: their next message is
+        refused as stale and they stop (superseded), sending nothing more."""
+        self.epoch = services.do_begin_incarnation(self.name)
+        services.do_republish_all(self.name)
+        return self.epoch
 
     def _warm_engine(self) -> None:
         try:

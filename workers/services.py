@@ -37,13 +37,12 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -54,7 +53,6 @@ from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirecti
 from kvsp.registries import RAW_CODEC, lookup_codec
 from kvsp.states import INSTANCE_LIFECYCLE, RESHARD_PHASES, InstanceEvent, ReshardEvent
 from kvspsite.celery import instance_queue
-from kvspsite.peers import PeerUnreachable
 from workers import control, selectors, tiers
 from workers.models import (
     Directive,
@@ -74,8 +72,6 @@ log = logging.getLogger(__name__)
 
 # After a failed publish, the next attempt.
 PUBLISH_RETRY = timedelta(seconds=5)
-# Records published at the same time by ``publish_all``.
-PUBLISH_PARALLEL = 8
 # A file in a tier directory with no row younger than this may belong to a placement still in
 # its transaction.
 ORPHAN_GRACE_S = 300
@@ -104,63 +100,75 @@ def lock_node(name: str) -> Node:
 # --- Replica Records ---------------------------------------------------------------------------
 
 
-def _publish(block: StoredBlock) -> bool:
-    """PUT the block's record now; on failure, try again soon. True when published."""
-    now = timezone.now()
-    rows = StoredBlock.objects.filter(pk=block.pk)
-    try:
-        ttl_ms = control.publish(selectors.replica_record(block))
-    except (ProtocolError, PeerUnreachable) as exc:
-        log.warning("publishing %s failed: %s", block, exc)
-        rows.update(refresh_due_at=now + PUBLISH_RETRY)
-        return False
-    rows.update(
-        record_expires_at=now + timedelta(milliseconds=ttl_ms),
-        refresh_due_at=now + timedelta(milliseconds=ttl_ms / 2),
-    )
-    return True
+def _note_published(blocks: list[StoredBlock], outcomes: list, asked_at: datetime) -> None:
+    """Record when each block's record expires at the IS and is next due; one that was not
+    published is tried again soon."""
+    granted: dict[int, list[int]] = {}
+    failed = []
+    for block, outcome in zip(blocks, outcomes, strict=True):
+        if outcome.published:
+            granted.setdefault(outcome.ttl_ms, []).append(block.pk)
+        else:
+            failed.append((block, outcome.error))
+    if failed:
+        first, error = failed[0]
+        log.warning("publishing %d records failed (%s: %s)", len(failed), first, error)
+        StoredBlock.objects.filter(pk__in=[block.pk for block, _ in failed]).update(
+            refresh_due_at=asked_at + PUBLISH_RETRY
+        )
+    for ttl_ms, pks in granted.items():
+        StoredBlock.objects.filter(pk__in=pks).update(
+            record_expires_at=asked_at + timedelta(milliseconds=ttl_ms),
+            refresh_due_at=asked_at + timedelta(milliseconds=ttl_ms / 2),
+        )
 
 
 def _residency_key(block: StoredBlock) -> tuple:
     return (block.tier, block.device_layers)
 
 
-def publish_current(pk: int) -> bool:
-    """Publish a block's record as it stands, outside the node's lock, and make sure the IS is
-    not left with a record the node no longer stands by: if the block was evicted while the
-    record travelled, it is withdrawn again; if it moved, the new residency is published.
-    True when the IS has the current record."""
-    for _ in range(3):
-        block = StoredBlock.objects.filter(pk=pk).first()
-        if block is None or block.pending_move_id is not None:
-            return False  # gone, or not a replica yet: its move's commit publishes it
-        published = _publish(block)
-        with transaction.atomic():
-            lock_node(block.instance)
-            current = StoredBlock.objects.filter(pk=pk).first()
-            if current is None:
-                if published:
-                    _withdraw(block.instance, block.ids, "evicted meanwhile", timezone.now())
-                return False
-            if _residency_key(current) == _residency_key(block):
-                return published
-    return False
-
-
 def publish_all(pks: list[int]) -> int:
-    """Publish the records of many blocks, PUBLISH_PARALLEL at a time (see
-    ``publish_current``); how many the IS has now."""
+    """Publish the records of blocks as they stand, outside the node's lock, in as few requests
+    as the IS takes (``control.publish_replicas``), and make sure the IS is not left with a
+    record the node no longer stands by: a block evicted while its record travelled is
+    withdrawn again; one that moved is published again with its new residency. Blocks gone,
+    or not replicas yet (their move's commit publishes them), are skipped. Returns how many
+    of the blocks the IS has the current record of."""
+    current = 0
+    pending = list(pks)
+    for _ in range(3):
+        blocks = list(StoredBlock.objects.filter(pk__in=pending, pending_move__isnull=True))
+        if not blocks:
+            break
+        asked_at = timezone.now()
+        outcomes = control.publish_replicas([selectors.replica_record(b) for b in blocks])
+        _note_published(blocks, outcomes, asked_at)
+        published = {b.pk for b, outcome in zip(blocks, outcomes, strict=True) if outcome.published}
+        pending = []
+        with transaction.atomic():
+            for name in sorted({block.instance for block in blocks}):
+                lock_node(name)
+            rows = StoredBlock.objects.in_bulk([block.pk for block in blocks])
+            gone: dict[str, list[BlockIds]] = {}
+            for block in blocks:
+                row = rows.get(block.pk)
+                if row is None:
+                    if block.pk in published:
+                        gone.setdefault(block.instance, []).append(block.ids)
+                elif _residency_key(row) != _residency_key(block):
+                    pending.append(block.pk)
+                elif block.pk in published:
+                    current += 1
+            for name, replicas in gone.items():
+                _withdraw_many(name, replicas, "evicted meanwhile", timezone.now())
+        if not pending:
+            break
+    return current
 
-    def publish(pk: int) -> bool:
-        try:
-            return publish_current(pk)
-        finally:
-            connections.close_all()
 
-    if len(pks) <= 1:
-        return sum(publish_current(pk) for pk in pks)
-    with ThreadPoolExecutor(max_workers=min(PUBLISH_PARALLEL, len(pks))) as pool:
-        return sum(pool.map(publish, pks))
+def publish_current(pk: int) -> bool:
+    """``publish_all`` of one block: True when the IS has its current record."""
+    return publish_all([pk]) == 1
 
 
 def _publish_on_commit(block: StoredBlock) -> None:
@@ -170,18 +178,68 @@ def _publish_on_commit(block: StoredBlock) -> None:
 
 
 def _withdraw(name: str, ids: BlockIds, reason: str, now: datetime) -> None:
-    """DELETE the record at the IS; when that cannot be delivered now, owe it (6.1)."""
-    try:
-        control.withdraw(*ids)
-    except (ProtocolError, PeerUnreachable) as exc:
-        log.warning("withdrawing %s failed (%s): retried later", ids[2].hex(), exc)
-        PendingWithdrawal.objects.update_or_create(
-            instance=name,
-            compat_id=ids[0],
-            scope_id=ids[1],
-            block_key=ids[2],
-            defaults={"reason": reason, "created_at": now},
-        )
+    _withdraw_many(name, [ids], reason, now)
+
+
+def _withdraw_many(name: str, replicas: list[BlockIds], reason: str, now: datetime) -> None:
+    """Owe the withdrawal of these records (6.1) and deliver them, in as few requests as the
+    IS takes, as soon as the eviction is committed ("immediately after evicting"), outside
+    the node's lock: the IS may share the database, and the embedded default's SQLite has one
+    writer at a time, so a DELETE sent while the node holds its lock would wait on the node
+    itself. What cannot be delivered then stays owed, and the keeper retries it."""
+    if not replicas:
+        return
+    PendingWithdrawal.objects.bulk_create(
+        [
+            PendingWithdrawal(
+                instance=name,
+                compat_id=ids[0],
+                scope_id=ids[1],
+                block_key=ids[2],
+                reason=reason,
+                created_at=now,
+            )
+            for ids in replicas
+        ],
+        update_conflicts=True,
+        unique_fields=["instance", "compat_id", "scope_id", "block_key"],
+        update_fields=["reason", "created_at"],
+    )
+    keys = [ids[2] for ids in replicas]
+    transaction.on_commit(lambda: _deliver_withdrawals(name, keys), robust=True)
+
+
+def _deliver_withdrawals(name: str, block_keys: list[bytes] | None = None, limit: int = 100):
+    """Send the withdrawals the node owes (those of ``block_keys``, or the oldest ``limit``)
+    in batches; how many were delivered. A block held again meanwhile has its own current
+    record: its withdrawal is dropped, or its record published again when the DELETE crossed
+    it."""
+    owed = PendingWithdrawal.objects.filter(instance=name).order_by("pk")
+    if block_keys is not None:
+        owed = owed.filter(block_key__in=block_keys)
+    owed = list(owed[:limit] if block_keys is None else owed)
+    if not owed:
+        return 0
+    ids_of = {o.pk: (bytes(o.compat_id), bytes(o.scope_id), bytes(o.block_key)) for o in owed}
+
+    def held() -> dict[BlockIds, int]:
+        rows = selectors.held_blocks(name).filter(block_key__in=[i[2] for i in ids_of.values()])
+        return {block.ids: block.pk for block in rows}
+
+    before = held()
+    due = [o for o in owed if ids_of[o.pk] not in before]
+    PendingWithdrawal.objects.filter(pk__in=[o.pk for o in owed if ids_of[o.pk] in before]).delete()
+    errors = control.withdraw_replicas([ids_of[o.pk] for o in due]) if due else []
+    delivered = [o.pk for o, error in zip(due, errors, strict=True) if error is None]
+    failed = [o.pk for o, error in zip(due, errors, strict=True) if error is not None]
+    if failed:
+        log.warning("%d withdrawals failed: retried later", len(failed))
+        PendingWithdrawal.objects.filter(pk__in=failed).update(attempts=F("attempts") + 1)
+    PendingWithdrawal.objects.filter(pk__in=delivered).delete()
+    crossed = [pk for ids, pk in held().items() if ids not in before]
+    if crossed:
+        publish_all(crossed)
+    return len(delivered)
 
 
 # --- Placement and eviction ----------------------------------------------------------------------
@@ -203,13 +261,25 @@ def _protected_block_ids(name: str, now: datetime) -> set[int]:
 
 
 def _evict(block: StoredBlock, reason: str, now: datetime) -> None:
-    """Withdraw, then forget the block; its file goes once the deletion is committed, so a
-    reader never finds a committed row without its file."""
-    log.info("evicting %s: %s", block, reason)
-    _withdraw(block.instance, block.ids, reason, now)
-    path = tiers.stored_path(block)
-    block.delete()
-    transaction.on_commit(lambda: tiers.unlink_quietly(path), robust=True)
+    _evict_many([block], reason, now)
+
+
+def _evict_many(blocks: list[StoredBlock], reason: str, now: datetime) -> None:
+    """Withdraw, then forget blocks of one node; their files go once the deletion is
+    committed, so a reader never finds a committed row without its file."""
+    if not blocks:
+        return
+    for block in blocks:
+        log.info("evicting %s: %s", block, reason)
+    _withdraw_many(blocks[0].instance, [block.ids for block in blocks], reason, now)
+    paths = [tiers.stored_path(block) for block in blocks]
+    StoredBlock.objects.filter(pk__in=[block.pk for block in blocks]).delete()
+
+    def unlink() -> None:
+        for path in paths:
+            tiers.unlink_quietly(path)
+
+    transaction.on_commit(unlink, robust=True)
 
 
 def _demote(block: StoredBlock) -> None:
@@ -437,8 +507,7 @@ def _place_locked(
     path = tiers.block_path(tier, name, ids)
     tiers.place_file(spool, path)
     placed.append(path)
-    for victim in plan.evict:
-        _evict(victim, "evicted for room (least recently used, unleased, within quotas)", now)
+    _evict_many(plan.evict, "evicted for room (least recently used, unleased, within quotas)", now)
     block = _stored_block(name, ids, fields, tier, now, pending_move_id)
     block.save(force_insert=True)
     PendingWithdrawal.objects.filter(
@@ -638,10 +707,18 @@ def do_evict_after_fault(block: StoredBlock, reason: str) -> bool:
     withdrawn first (6.6), then the row goes and the leases no longer name it. The fault is
     confirmed under the node's lock, since a move to another tier looks alike from outside.
     True when the block was dropped."""
+    if _intact(block):
+        return False
+    # "MUST first withdraw" (6.6); outside the lock, as every withdrawal (``_withdraw_many``).
+    # One that fails now is owed by the eviction below.
+    control.withdraw_replicas([block.ids])
     with transaction.atomic():
         lock_node(block.instance)
         current = StoredBlock.objects.filter(pk=block.pk).first()
-        if current is None or _intact(current):
+        if current is None:
+            return False
+        if _intact(current):  # it had moved to another tier: its record stands again
+            _publish_on_commit(current)
             return False
         log.error("replica %s is lost: %s", current, reason)
         _evict(current, reason, timezone.now())
@@ -673,6 +750,13 @@ def do_check_tier_store(name: str) -> dict:
     return {"lost": lost, "removed": removed}
 
 
+def do_republish_all(name: str) -> int:
+    """Every record of the node is due now: the keeper publishes them at its next round."""
+    return StoredBlock.objects.filter(instance=name, pending_move__isnull=True).update(
+        refresh_due_at=timezone.now()
+    )
+
+
 def do_reset_device_residency(name: str) -> int:
     """A new worker holds no working copies: records are to say so at their next refresh."""
     return StoredBlock.objects.filter(instance=name, device_layers__gt=0).update(
@@ -690,30 +774,13 @@ def do_refresh_replicas(name: str, *, limit: int = 500) -> int:
         .order_by("refresh_due_at")
         .values_list("pk", flat=True)[:limit]
     )
-    return sum(publish_current(pk) for pk in due)
+    return publish_all(due)
 
 
 def do_retry_withdrawals(name: str, *, limit: int = 100) -> int:
-    done = 0
-    for pk in PendingWithdrawal.objects.filter(instance=name).values_list("pk", flat=True)[:limit]:
-        with transaction.atomic():
-            lock_node(name)
-            owed = PendingWithdrawal.objects.filter(pk=pk).first()
-            if owed is None:
-                continue
-            ids = (bytes(owed.compat_id), bytes(owed.scope_id), bytes(owed.block_key))
-            if selectors.held_block(name, *ids) is not None:
-                owed.delete()  # held again: its record is the current one
-                continue
-            try:
-                control.withdraw(*ids)
-            except (ProtocolError, PeerUnreachable):
-                owed.attempts += 1
-                owed.save(update_fields=["attempts"])
-                continue
-            owed.delete()
-            done += 1
-    return done
+    """Deliver withdrawals the node owes (outside its lock, see ``_withdraw_many``); how
+    many were delivered."""
+    return _deliver_withdrawals(name, limit=limit)
 
 
 def do_sync_device_tier(name: str, device_tier: tiers.DeviceTier) -> int:
@@ -845,7 +912,9 @@ def do_accept_directive(directive: PrefetchDirective) -> Directive:
     body = directive.to_json()
     directive_id = uuid.UUID(directive.directive)
     with transaction.atomic():
-        ensure_node(name)
+        # Under the node's lock, the same directive sent twice at once (a task and the
+        # controller's resend) is one row, never a tripped constraint.
+        lock_node(name)
         existing = Directive.objects.filter(instance=name, directive=directive_id).first()
         if existing is not None:
             if existing.body != body:
@@ -871,27 +940,93 @@ def do_accept_directive(directive: PrefetchDirective) -> Directive:
 # --- Reshard moves (6.9) --------------------------------------------------------------------------
 
 
-def _move_locked(name: str, map_id: str, to_version: int) -> ReshardMove | None:
-    return (
+def _tries_locked(name: str, map_id: str, to_version: int) -> list[ReshardMove]:
+    """The tries of one move at this node, the latest first, locked."""
+    return list(
         ReshardMove.objects.select_for_update()
         .filter(instance=name, map=map_id, to_version=to_version)
-        .first()
+        .order_by("-pk")
     )
 
 
-def _decided_without_plan(name: str, map_id: str, to_version: int, phase: str) -> ReshardMove:
-    """A commit or abort for a move this node never had a plan of: recorded, with nothing to
-    do, so that the opposite decision arriving later is refused as the phases say."""
+def _try_of(tries: list[ReshardMove], attempt: int | None) -> ReshardMove | None:
+    """The try a message is about: the one of its attempt number, or the latest when it gives
+    none."""
+    if attempt is None:
+        return tries[0] if tries else None
+    return next((move for move in tries if move.attempt == attempt), None)
+
+
+def _superseded(attempt: int | None, latest: ReshardMove) -> bool:
+    """A message of an attempt older than the latest try here: the PC has moved on from it."""
+    return attempt is not None and latest.attempt is not None and attempt < latest.attempt
+
+
+def _clear_for_new_try(
+    tries: list[ReshardMove],
+    attempt: int | None,
+    map_id: str,
+    to_version: int,
+    now: datetime,
+    *,
+    older_ok: bool,
+) -> ReshardMove | None:
+    """Before another try of a move is recorded here: refused when the latest try is committed,
+    or newer than ``attempt`` (unless ``older_ok``: an abort of an older try is recorded as it
+    is). A latest try still preparing has been given up by the PC, which sent a later one: it
+    is aborted, as its abort (perhaps still on its way) would, and returned, so that the caller
+    discards its pending blocks once the later try is recorded and what that one wants passes
+    to it."""
+    latest = tries[0] if tries else None
+    if latest is None:
+        return None
+    if _superseded(attempt, latest):
+        if older_ok:
+            return None
+        raise _late(map_id, to_version, f"is at attempt {latest.attempt} here; {attempt} is older")
+    if latest.phase == MovePhase.COMMITTED:
+        raise _late(map_id, to_version, "is committed here")
+    if latest.phase == MovePhase.PREPARING:
+        latest.phase = MovePhase.ABORTED
+        latest.decided_at = latest.finished_at = now
+        latest.save(update_fields=["phase", "decided_at", "finished_at"])
+        return latest
+    return None
+
+
+def _late(map_id: str, to_version: int, why: str) -> ProtocolError:
+    return ProtocolError(
+        "kvsp-invalid-state", f"the move of {map_id} to version {to_version} {why}"
+    )
+
+
+def _decided_move(
+    name: str, map_id: str, to_version: int, attempt: int | None, phase: str
+) -> tuple[ReshardMove, bool]:
+    """The try a commit or abort (``phase``) is about, locked; True when this node has no plan
+    of it and recorded it as decided, with nothing to do, so that the opposite decision
+    arriving later is refused as the phases say."""
+    tries = _tries_locked(name, map_id, to_version)
+    move = _try_of(tries, attempt)
+    if move is not None:
+        return move, False
     now = timezone.now()
-    return ReshardMove.objects.create(
+    stopped = _clear_for_new_try(
+        tries, attempt, map_id, to_version, now, older_ok=phase == MovePhase.ABORTED
+    )
+    move = ReshardMove.objects.create(
         instance=name,
         map=map_id,
         to_version=to_version,
+        attempt=attempt,
         phase=phase,
         received_at=now,
         decided_at=now,
         finished_at=now,
     )
+    if stopped is not None:
+        _discard_pending(name, stopped)
+    return move, True
 
 
 @dataclass(frozen=True)
@@ -913,27 +1048,30 @@ def do_receive_plan(
     document: dict,
     blocks: MoveBlocks | None,
     deadline_ms: int,
+    attempt: int | None = None,
 ) -> tuple[ReshardMove, bool]:
     """Record a reshard plan (6.9), or find it recorded: a repeat is the same move. True when
     its fetch ranges are to be loaded now: a new plan with something to fetch, or a repeat that
     finds loading failed or stopped (a run still loading finishes alone).
 
-    A plan whose blocks the node already holds is loaded at once. A plan for a move decided
-    already, or another plan for the same move, is refused.
+    A plan whose blocks the node already holds is loaded at once. A plan of a try decided
+    already, or another plan for the same try, is refused. After an abort, a plan is the PC's
+    next try of the move (``attempt`` numbers the tries when the PC gives numbers: a plan of an
+    older try than the latest here is refused); a try still preparing when a later one arrives
+    is aborted, and the blocks it fetched that the later one wants pass to it.
     """
     name = selectors.node_name()
     now = timezone.now()
     deadline_at = now + timedelta(milliseconds=deadline_ms)
     with transaction.atomic():
         lock_node(name)
-        move = _move_locked(name, map_id, to_version)
+        tries = _tries_locked(name, map_id, to_version)
+        move = _try_of(tries, attempt)
+        if move is not None and attempt is None and move.phase == MovePhase.ABORTED:
+            move = None  # a plan after an abort, without a number: the PC's next try
         if move is not None:
             if move.phase != MovePhase.PREPARING:
-                raise ProtocolError(
-                    "kvsp-invalid-state",
-                    f"the move of {map_id} to version {to_version} is {move.phase} here; "
-                    "its plan comes too late",
-                )
+                raise _late(map_id, to_version, f"is {move.phase} here; its plan comes too late")
             if move.plan != document:
                 raise ProtocolError(
                     "kvsp-conflict",
@@ -945,6 +1083,7 @@ def do_receive_plan(
             move.deadline_at, move.load_error = deadline_at, ""
             move.save(update_fields=["deadline_at", "load_error"])
             return move, True
+        stopped = _clear_for_new_try(tries, attempt, map_id, to_version, now, older_ok=False)
         fetch = blocks.fetch if blocks is not None else ()
         held = (
             selectors.held_keys(name, blocks.compat_id, blocks.scope_id, list(fetch))
@@ -956,6 +1095,7 @@ def do_receive_plan(
             map=map_id,
             from_version=from_version,
             to_version=to_version,
+            attempt=attempt,
             plan=document,
             compat_id=None if blocks is None else blocks.compat_id,
             scope_id=None if blocks is None else blocks.scope_id,
@@ -965,6 +1105,8 @@ def do_receive_plan(
             loaded_at=now if held >= set(fetch) else None,
             received_at=now,
         )
+        if stopped is not None:
+            _discard_pending(name, stopped)
         if blocks is not None:
             _keep_wanted(name, map_id, {key.hex() for key in (*blocks.fetch, *blocks.retain)})
     return move, move.loaded_at is None
@@ -1031,16 +1173,17 @@ def do_finish_loading(move_id: int, error: str = "") -> None:
         moves.update(loaded_at=timezone.now(), load_error="")
 
 
-def do_commit_move(map_id: str, to_version: int) -> ReshardMove:
+def do_commit_move(map_id: str, to_version: int, attempt: int | None = None) -> ReshardMove:
     """POST reshard {"map", "commit": v+1} (6.9): the blocks fetched for the move become held
     and are published; then the release ranges are released (``do_release_owed``). A repeated
-    commit changes nothing; a commit after an abort is refused (``RESHARD_PHASES``)."""
+    commit changes nothing; a commit after an abort is refused (``RESHARD_PHASES``), and so is
+    one of an attempt older than the latest try here."""
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move = _move_locked(name, map_id, to_version)
-        if move is None:
-            return _decided_without_plan(name, map_id, to_version, MovePhase.COMMITTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.COMMITTED)
+        if recorded:
+            return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.COMMIT)
         fetched = []
         if move.phase == MovePhase.PREPARING:
@@ -1060,16 +1203,17 @@ def do_commit_move(map_id: str, to_version: int) -> ReshardMove:
     return move
 
 
-def do_abort_move(map_id: str, to_version: int) -> ReshardMove:
+def do_abort_move(map_id: str, to_version: int, attempt: int | None = None) -> ReshardMove:
     """POST reshard {"map", "abort": v+1} (6.9): what was fetched for the move is discarded,
     nothing is released. A repeated abort changes nothing; an abort after a commit is refused
-    (``RESHARD_PHASES``)."""
+    (``RESHARD_PHASES``); an abort of an attempt older than the latest try here is about a try
+    the PC has given up already, and changes nothing."""
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move = _move_locked(name, map_id, to_version)
-        if move is None:
-            return _decided_without_plan(name, map_id, to_version, MovePhase.ABORTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.ABORTED)
+        if recorded:
+            return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.ABORT)
         if move.phase == MovePhase.PREPARING:
             _discard_pending(name, move)
@@ -1126,7 +1270,7 @@ def do_release_owed(name: str, move_id: int | None = None) -> int:
                     block_key__in=[bytes.fromhex(key) for key in move.owed_release],
                 )
             }
-            owed = []
+            owed, leaving = [], []
             for key in move.owed_release:
                 block = blocks.get(key)
                 if block is None:
@@ -1134,11 +1278,11 @@ def do_release_owed(name: str, move_id: int | None = None) -> int:
                 if block.pk in leased:
                     owed.append(key)
                     continue
-                _evict(
-                    block, f"released by the move of {move.map} to version {move.to_version}", now
-                )
-                move.released_blocks += 1
-                released += 1
+                leaving.append(block)
+            reason = f"released by the move of {move.map} to version {move.to_version}"
+            _evict_many(leaving, reason, now)
+            move.released_blocks += len(leaving)
+            released += len(leaving)
             move.owed_release = owed
             if not owed:
                 move.finished_at = now
@@ -1160,6 +1304,9 @@ def do_set_state(state: object) -> Node:
 
 def do_apply_pc_state(name: str, state: str) -> Node:
     """The PC's decision, from PUT state or from its answer to a status report."""
+    node = ensure_node(name)
+    if node.state == state or state not in NodeState.values:
+        return node  # the common answer changes nothing: no write lock taken
     with transaction.atomic():
         node = lock_node(name)
         if state in NodeState.values and node.state != state:
@@ -1181,6 +1328,9 @@ def do_enter_sleep_if_drained(name: str, in_flight: int) -> Node:
     ``in_flight`` counts the worker's tasks; the sessions the instance admitted and has not
     finished count too, whether their task is running or still on its way.
     """
+    node = ensure_node(name)
+    if node.state != NodeState.DRAINING or in_flight:
+        return node  # nothing to decide: no write lock taken (the reporter runs this each time)
     with transaction.atomic():
         node = lock_node(name)
         if node.state == NodeState.DRAINING and in_flight == 0:
@@ -1241,6 +1391,8 @@ def do_record_link(
     """Fold one measurement into the node's figures for its link to ``holder``."""
     now = timezone.now()
     with transaction.atomic():
+        # Under the node's lock: two loads measuring a new link at once make one row.
+        lock_node(name)
         row = MeasuredLink.objects.select_for_update().filter(instance=name, holder=holder).first()
         if row is None:
             if rtt_us is None or mbit_per_s is None:

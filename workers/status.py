@@ -5,6 +5,7 @@ as two threads of the worker process (see ``workers.runtime``).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from abc import abstractmethod
@@ -17,6 +18,7 @@ from kvsp.records import InstanceStatusRecord
 from kvspsite.celery import instance_queue
 from kvspsite.peers import PeerUnreachable
 from workers import control, selectors, services
+from workers.models import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +90,40 @@ class _Loop(threading.Thread):
         """One round of the loop's work."""
 
 
+class StatusWrites(threading.Thread):
+    """The reporter's writes, in order, on a thread of their own, so that a report never
+    waits for the database (on the embedded default's SQLite, for whichever process writes)."""
+
+    def __init__(self):
+        super().__init__(name="kvsp-status-writes", daemon=True)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, function, *args, **kwargs) -> None:
+        self.jobs.put((function, args, kwargs))
+
+    def run(self) -> None:
+        while True:
+            function, args, kwargs = self.jobs.get()
+            try:
+                function(*args, **kwargs)
+            except Exception:
+                log.exception("%s failed", getattr(function, "__name__", function))
+            finally:
+                close_old_connections()
+
+
 class StatusReporter(_Loop):
-    """Sends the Instance Status Record every ttl/3 at most, and applies the PC's answer."""
+    """Sends the Instance Status Record every ttl/3 at most, and applies the PC's answer.
+
+    A report only reads the database (WAL on SQLite: a read never waits); what it writes (the
+    PC's state, a drained node going to sleep, when it last reported) goes to ``StatusWrites``
+    and shows in the next report. Only a new incarnation is written before the next report,
+    since that report must carry its epoch."""
 
     def __init__(self, runtime):
         super().__init__(runtime, "kvsp-status")
+        self.writes = StatusWrites()
+        self.writes.start()
 
     def interval(self) -> float:
         return report_interval_s()
@@ -103,26 +134,29 @@ class StatusReporter(_Loop):
         queued = runtime.load.waiting
         if runtime.app is not None:
             queued += broker_queue_length(runtime.app, instance_queue(runtime.name))
-        node = services.do_enter_sleep_if_drained(runtime.name, running + queued)
+        node = services.ensure_node(runtime.name)
+        if node.state == NodeState.DRAINING and not running + queued:
+            self.writes.submit(services.do_enter_sleep_if_drained, runtime.name, 0)
         record = status_record(runtime, node.state, running, queued)
         try:
             state = control.report_status(runtime.name, record)
         except ProtocolError as exc:
-            services.do_note_report(runtime.name, exc.detail)
+            self.writes.submit(services.do_note_report, runtime.name, exc.detail)
             if exc.problem == "kvsp-stale-epoch":
                 # The PC has written this incarnation off (its record expired, or it saw a
                 # later one): rejoin as a new incarnation.
-                runtime.epoch = services.do_begin_incarnation(runtime.name)
+                runtime.begin_incarnation()
                 log.warning("node %s: stale epoch, now epoch %d", runtime.name, runtime.epoch)
             else:
                 log.warning("node %s: status report refused: %s", runtime.name, exc.detail)
             return
         except PeerUnreachable as exc:
-            services.do_note_report(runtime.name, str(exc))
+            self.writes.submit(services.do_note_report, runtime.name, str(exc))
             log.warning("node %s: status report failed: %s", runtime.name, exc)
             return
-        services.do_apply_pc_state(runtime.name, state)
-        services.do_note_report(runtime.name)
+        if state != node.state:
+            self.writes.submit(services.do_apply_pc_state, runtime.name, state)
+        self.writes.submit(services.do_note_report, runtime.name)
 
 
 class Keeper(_Loop):

@@ -9,6 +9,12 @@ urlpatterns = [
         views.ReplicaView.as_view(),
         name="replica",
     ),
+    path("replicas", views.ReplicaBatchView.as_view(), name="replicas"),
+    path(
+        "replicas/withdrawals",
+        views.ReplicaWithdrawalBatchView.as_view(),
+        name="replica-withdrawals",
+    ),
     path("lookup", views.LookupView.as_view(), name="lookup"),
     path("compat/<hex32:compat_id>", views.CompatView.as_view(), name="compat"),
     path("scopes/<hex16:scope_id>/key", views.ScopeKeyView.as_view(), name="scope-key"),

@@ -20,6 +20,22 @@ def _require_object(data) -> dict:
     return data
 
 
+def _batch_items(data, member: str, item: str) -> list:
+    """The items of a batch body ``{member: [item, ...]}``; the body is refused whole when it
+    is not one, or has more items than KVSP_MAX_BATCH_RECORDS."""
+    items = _require_object(data).get(member)
+    if not isinstance(items, list):
+        raise ProtocolError(
+            "kvsp-malformed-request", f'the body must be {{"{member}": [{item}, ...]}}'
+        )
+    if len(items) > settings.KVSP_MAX_BATCH_RECORDS:
+        raise ProtocolError(
+            "kvsp-payload-too-large",
+            f"at most {settings.KVSP_MAX_BATCH_RECORDS} {member} per batch",
+        )
+    return items
+
+
 class ReplicaView(APIView):
     """One block's replicas: publish or refresh (PUT), withdraw (DELETE), list (GET); spec 6.1."""
 
@@ -54,6 +70,28 @@ class ReplicaView(APIView):
             raise ProtocolError("kvsp-not-found", "no unexpired replica of this block")
         replicas = [row.fragment() for row in found[block_key]]
         return Response({"block_key": block_key.hex(), "replicas": replicas})
+
+
+class ReplicaBatchView(APIView):
+    """Batch publication (DESIGN.md section 3, an extension of 6.1): many Replica Records in
+    one request, each judged as its single PUT would be, every outcome answered in order."""
+
+    def post(self, request):
+        records = _batch_items(request.data, "records", "Replica Record")
+        outcomes = services.do_publish_batch(request.user, records)
+        return Response({"results": [outcome.to_json() for outcome in outcomes]})
+
+
+class ReplicaWithdrawalBatchView(APIView):
+    """Batch withdrawal (an extension of 6.1, like batch publication): many replicas, each
+    named by the members that name it in its record, each judged as its single DELETE."""
+
+    def post(self, request):
+        replicas = _batch_items(
+            request.data, "replicas", '{"compat_id", "scope_id", "block_key", "holder"}'
+        )
+        outcomes = services.do_withdraw_batch(request.user, replicas)
+        return Response({"results": [outcome.to_json() for outcome in outcomes]})
 
 
 class LookupView(APIView):

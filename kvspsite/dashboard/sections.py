@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from index import selectors as index_selectors
 from index.models import Tier
 from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from kvsp.timeline import in_order
 from placement import selectors as placement_selectors
 from placement.models import Instance, InstanceState, ReshardPhase
 from sessions import selectors as session_selectors
@@ -351,6 +352,8 @@ def _session_data(page: Page) -> dict:
         "failed_over_at": session.failed_over_at,
         "resumed_first_token_at": session.resumed_first_token_at,
         "resume_error": session.resume_error,
+        "timings_ms": [(step, spent / 1000) for step, spent in in_order(session.timings_us or {})],
+        "timings_total_ms": sum((session.timings_us or {}).values()) / 1000,
     }
 
 

@@ -86,10 +86,13 @@ class ReshardView(APIView):
 
 
 class ReshardOperationView(APIView):
+    """The latest attempt of the move to ``to_version``."""
+
     def get(self, request, map_id: str, to_version: int):
         operation = (
             ReshardOperation.objects.select_related("shard_map")
             .filter(shard_map__map=map_id, to_version=to_version)
+            .order_by("-attempt")
             .first()
         )
         if operation is None:

@@ -84,6 +84,14 @@ def test_protocol_error_keeps_its_problem_type(client):
     assert body["detail"] == "epoch 3 is lower than 5"
 
 
+def test_a_tripped_uniqueness_constraint_is_a_conflict_and_changes_nothing(client):
+    from index.models import Scope
+
+    body = assert_problem(client.post("/kvsp/test/twice"), 409, "kvsp-conflict")
+    assert "changed nothing" in body["detail"] and "twice" not in body["detail"]
+    assert not Scope.objects.filter(name="twice").exists()
+
+
 @pytest.mark.parametrize("path", ["/kvsp/test/crash", "/kvsp/test/plain-crash"])
 @pytest.mark.parametrize("debug", [False, True])
 def test_uncaught_exception_never_leaks(client, path, debug, caplog):

@@ -34,3 +34,26 @@ def test_node_schema_states_bodies_headers_and_problems():
         operation = schema["paths"][path][method]
         assert "application/kvsp+json" in operation["requestBody"]["content"], path
         assert "application/problem+json" in operation["responses"]["422"]["content"], path
+
+
+def test_control_plane_schema_states_batch_publication():
+    """``POST replicas`` and ``POST replicas/withdrawals``: the envelope is the request's
+    schema; each item is judged on its own, so the answer lists an outcome, with its problem
+    details, per item."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    schema = SchemaGenerator(urlconf="kvspsite.urls_control").get_schema(request=None, public=True)
+    for path, envelope in [
+        ("/kvsp/replicas", "ReplicaBatch"),
+        ("/kvsp/replicas/withdrawals", "ReplicaWithdrawalBatch"),
+    ]:
+        operation = schema["paths"][path]["post"]
+        body = operation["requestBody"]["content"]["application/kvsp+json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{envelope}"}
+        for status in ("400", "413"):
+            assert "application/problem+json" in operation["responses"][status]["content"]
+        answer = operation["responses"]["200"]["content"]["application/kvsp+json"]["schema"]
+        assert answer == {"$ref": "#/components/schemas/ReplicaBatchAnswer"}
+    result = schema["components"]["schemas"]["ReplicaBatchAnswer"]["properties"]["results"]
+    assert result["items"]["required"] == ["block_key", "holder", "status", "problem"]
+    assert result["items"]["properties"]["problem"]["nullable"]

@@ -36,6 +36,22 @@ class Stale(APIView):
         raise ProtocolError("kvsp-stale-epoch", "epoch 3 is lower than 5")
 
 
+class Twice(APIView):
+    """Creates the same uniquely named row twice, as two racing requests would."""
+
+    permission_classes = [AllowAny]
+
+    def post(self, request):
+        from django.db import transaction
+
+        from index.models import Scope
+
+        with transaction.atomic():
+            Scope.objects.create(name="twice", scope_id=b"\x01" * 16, key_ciphertext=b"k")
+            Scope.objects.create(name="twice", scope_id=b"\x02" * 16, key_ciphertext=b"k")
+        return Response({"created": 2})
+
+
 def plain_crash(request):
     raise ValueError("secret internal state 0xdeadbeef")
 
@@ -49,6 +65,7 @@ test_api = [
     path("private", Private.as_view()),
     path("crash", Crash.as_view()),
     path("stale", Stale.as_view()),
+    path("twice", Twice.as_view()),
     path("plain-crash", plain_crash),
 ]
 

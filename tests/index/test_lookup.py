@@ -22,16 +22,6 @@ COMPAT = "c1" * 32
 
 
 @pytest.fixture
-def scope():
-    return make_scope("tenant-a")
-
-
-@pytest.fixture
-def holder_a(scope):
-    return make_caller("holder-a", scopes=[scope], holders=[HOLDER_A])
-
-
-@pytest.fixture
 def holder_b(scope):
     return make_caller("holder-b", scopes=[scope], holders=[HOLDER_B])
 

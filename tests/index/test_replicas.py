@@ -13,7 +13,6 @@ from tests.support.fixtures import (
     anonymous,
     body,
     make_caller,
-    make_scope,
     problem_name,
     random_key,
     replica_json,
@@ -22,21 +21,6 @@ from tests.support.fixtures import (
 pytestmark = pytest.mark.django_db
 
 COMPAT = "c0" * 32
-
-
-@pytest.fixture
-def scope():
-    return make_scope("tenant-a")
-
-
-@pytest.fixture
-def other_scope():
-    return make_scope("tenant-b")
-
-
-@pytest.fixture
-def holder_a(scope):
-    return make_caller("holder-a", scopes=[scope], holders=[HOLDER_A])
 
 
 def path_of(record):

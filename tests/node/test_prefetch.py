@@ -4,8 +4,10 @@ working source fails the directive; the deadline makes it partial."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -242,6 +244,31 @@ def test_the_deadline_makes_a_directive_partial(cluster, standin):
     reader = n2.api(cluster.tokens["reader_a"])
     assert reader.get_block(cluster.compat, cluster.scope_a, keys[0]).status_code == 200
     assert reader.get_block(cluster.compat, cluster.scope_a, keys[2]).status_code == 404
+
+
+def test_the_same_directive_sent_at_once_is_accepted_once(cluster):
+    """The controller's task and its resend may deliver one directive together: every copy is
+    answered 202 and the node keeps one directive."""
+    from workers.models import Directive
+
+    n1, n2 = cluster.node("n1"), cluster.node("n2")
+    [(key, _)] = put_chain(cluster, n1, 1, 560)
+    body = directive_body(cluster, [(key, [n1.url])])
+    copies = 12
+    barrier = threading.Barrier(copies)
+
+    def send(_):
+        api = n2.api(cluster.tokens["controller"])
+        barrier.wait()
+        return api.post("prefetch", json=body)
+
+    with ThreadPoolExecutor(copies) as pool:
+        answers = list(pool.map(send, range(copies)))
+    assert [answer.status_code for answer in answers] == [202] * copies, [
+        answer.text for answer in answers if answer.status_code != 202
+    ]
+    assert Directive.objects.filter(instance=n2.name, directive=body["directive"]).count() == 1
+    assert run_directive(cluster, n2, body)["state"] == "complete"
 
 
 def test_bad_directives_are_problems(cluster):

@@ -122,9 +122,17 @@ class Sharding:
         return {replica["holder"] for replica in answer.json()["replicas"]}
 
     def move(self, node: Node, name: str, to: int = 2):
+        """The node's latest try of a move."""
+        tries = self.tries(node, name, to)
+        return tries[0] if tries else None
+
+    def tries(self, node: Node, name: str, to: int = 2) -> list:
+        """The node's tries of a move, the latest first."""
         from workers.models import ReshardMove
 
-        return ReshardMove.objects.filter(instance=node.name, map=name, to_version=to).first()
+        return list(
+            ReshardMove.objects.filter(instance=node.name, map=name, to_version=to).order_by("-pk")
+        )
 
     def rows(self, node: Node, keys: list[str]) -> dict:
         from workers.models import StoredBlock
@@ -141,6 +149,23 @@ class Sharding:
 
         ids = (bytes.fromhex(self.compat), bytes.fromhex(self.scope), bytes.fromhex(key))
         return node.shm_dir / node.name / file_name(ids)
+
+    def direct_plan(self, name: str, keys: list[str]) -> dict:
+        """A plan of map ``name`` from version 1 to 2 for a member holding the four blocks
+        ``keys``: it keeps the first two and releases the others."""
+        return {
+            "map": name,
+            "from": 1,
+            "to": 2,
+            "deadline_ms": 5000,
+            "retain": [[0, 2 * BLOCK_TOKENS]],
+            "fetch": [],
+            "release": [[2 * BLOCK_TOKENS, 4 * BLOCK_TOKENS]],
+            "scope_id": self.scope,
+            "compat_id": self.compat,
+            "block_tokens": BLOCK_TOKENS,
+            "blocks": {str(i): key for i, key in enumerate(keys)},
+        }
 
     def decide(self, node: Node, body: dict):
         return self.controller(node.url).post("reshard", json=body)
@@ -380,6 +405,24 @@ def test_a_member_that_never_acknowledges_aborts_and_what_it_fetched_is_discarde
     current = sharding.controller().get(f"shardmaps/{name}").json()
     assert current["version"] == 1  # version 1 stayed authoritative
 
+    # Version 1 is still authoritative: the same reshard again is attempt 2, and commits.
+    again = sharding.reshard(name, (0, 4, a), (4, 12, c), (12, 16, b), deadline_ms=30_000)
+    assert (again["to"], again["attempt"]) == (2, 2)
+    operation = sharding.finished(name)
+    assert (operation["attempt"], operation["state"]) == (2, "committed"), operation
+    assert (sharding.move(c, name).attempt, sharding.move(c, name).fetched_blocks) == (2, 8)
+    # A lease c asked b for in the first try, granted once b woke up, may hold b's release back
+    # until it ends (6.6).
+    wait_until(
+        lambda: all(
+            sharding.holders(key) == {(a if i < 4 else c if i < 12 else b).url}
+            for i, key in enumerate(keys)
+        ),
+        "the blocks at their holders of version 2",
+        timeout=60,
+    )
+    assert sharding.controller().get(f"shardmaps/{name}").json()["version"] == 2
+
 
 def test_a_member_killed_after_acknowledging_applies_the_commit_after_its_restart(sharding):
     """c acknowledges (its blocks pending), then dies; b, stopped until then, acknowledges
@@ -459,17 +502,7 @@ def test_decisions_are_idempotent_late_ones_refused_and_a_leased_block_waits(sha
     sharding.place(a, keys, blocks)
     name = f"direct-{sharding.run}"
     identity = {"scope_id": sharding.scope, "compat_id": sharding.compat, "block_tokens": 8}
-    plan = {
-        "map": name,
-        "from": 1,
-        "to": 2,
-        "deadline_ms": 5000,
-        "retain": [[0, 16]],
-        "fetch": [],
-        "release": [[16, 32]],
-        **identity,
-        "blocks": {str(i): key for i, key in enumerate(keys)},
-    }
+    plan = sharding.direct_plan(name, keys)
     reader = a.api(sharding.cluster.tokens["reader_a"])
     lease = reader.post(
         "leases",
@@ -515,8 +548,10 @@ def test_decisions_are_idempotent_late_ones_refused_and_a_leased_block_waits(sha
     assert sharding.decide(a, {"map": never, "abort": 8}).json()["state"] == "aborted"
     assert sharding.decide(a, {"map": never, "abort": 8}).status_code == 200
     assert problem(sharding.decide(a, {"map": never, "commit": 8})) == "kvsp-invalid-state"
-    late = {**plan, "map": never, "from": 7, "to": 8}
-    assert problem(sharding.decide(a, late)) == "kvsp-invalid-state"
+    # After an abort, a plan is the controller's next try of the move.
+    again = sharding.decide(a, {**plan, "map": never, "from": 7, "to": 8})
+    assert again.status_code == 200 and again.json()["state"] == "preparing", again.text
+    assert sharding.decide(a, {"map": never, "abort": 8}).json()["state"] == "aborted"
 
     # Versions are stored whole, up to the largest JSON integer the records admit.
     assert sharding.decide(a, {"map": never, "commit": 2**53 - 1}).status_code == 200
@@ -545,3 +580,51 @@ def test_decisions_are_idempotent_late_ones_refused_and_a_leased_block_waits(sha
     }
     assert problem(sharding.decide(a, split)) == "kvsp-invalid-record"
     assert sharding.move(a, f"y-{sharding.run}") is None
+
+
+def test_after_an_abort_the_next_try_is_accepted_and_a_late_abort_of_the_first_changes_nothing(
+    sharding,
+):
+    """The controller numbers its tries of a move (the extension member ``attempt``): after
+    the abort of try 1, the plan of try 2 is a move of its own; try 1's abort, repeated late,
+    and its plan or commit change nothing of it. The move is then committed and released."""
+    a = sharding.node("r1")
+    keys, blocks = noise_blocks(4)
+    sharding.place(a, keys, blocks)
+    name = f"tries-{sharding.run}"
+    plan = sharding.direct_plan(name, keys)
+    first = sharding.decide(a, {**plan, "attempt": 1})
+    assert first.status_code == 200 and first.json()["attempt"] == 1, first.text
+    assert sharding.decide(a, {"map": name, "abort": 2, "attempt": 1}).status_code == 200
+    assert problem(sharding.decide(a, {**plan, "attempt": 1})) == "kvsp-invalid-state"
+
+    second = sharding.decide(a, {**plan, "attempt": 2})
+    assert second.status_code == 200, second.text
+    assert (second.json()["attempt"], second.json()["state"]) == (2, "preparing")
+    late = sharding.decide(a, {"map": name, "abort": 2, "attempt": 1})
+    assert (late.status_code, late.json()["attempt"], late.json()["state"]) == (200, 1, "aborted")
+    assert problem(sharding.decide(a, {"map": name, "commit": 2, "attempt": 1})) == (
+        "kvsp-invalid-state"
+    )
+    assert problem(sharding.decide(a, {**plan, "attempt": 1})) == "kvsp-invalid-state"
+    assert sharding.move(a, name).phase == "preparing"
+    assert set(sharding.rows(a, keys)) == set(keys)  # nothing released by try 1
+
+    committed = sharding.decide(a, {"map": name, "commit": 2, "attempt": 2})
+    assert committed.status_code == 200, committed.text
+    assert (committed.json()["state"], committed.json()["released_blocks"]) == ("committed", 2)
+    assert set(sharding.rows(a, keys)) == set(keys[:2])
+    assert problem(sharding.decide(a, {**plan, "attempt": 3})) == "kvsp-invalid-state"
+    assert problem(sharding.decide(a, {"map": name, "abort": 2, "attempt": 2})) == (
+        "kvsp-invalid-state"
+    )
+    assert problem(sharding.decide(a, {**plan, "attempt": 0})) == "kvsp-invalid-record"
+
+    # A try still preparing when a later one's plan arrives is given up for it.
+    other = f"superseded-{sharding.run}"
+    retain = {**plan, "map": other, "release": [], "blocks": {"0": keys[0], "1": keys[1]}}
+    assert sharding.decide(a, {**retain, "attempt": 1}).status_code == 200
+    assert sharding.decide(a, {**retain, "attempt": 2}).status_code == 200
+    tries = sharding.tries(a, other)
+    assert [(move.attempt, move.phase) for move in tries] == [(2, "preparing"), (1, "aborted")]
+    assert sharding.decide(a, {"map": other, "commit": 2, "attempt": 2}).status_code == 200

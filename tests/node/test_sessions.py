@@ -183,6 +183,20 @@ def served_rows(session: str) -> list:
     return list(ServedSession.objects.filter(session=session).order_by("epoch"))
 
 
+def finished_on_node(session: str, timeout: float = 60):
+    """The node's row of the session once its run has ended: every block it computed is
+    published by then (publication goes on after the last token)."""
+    return wait_until(
+        lambda: (
+            (rows := served_rows(session))
+            and rows[-1].state not in ("accepted", "running")
+            and rows[-1]
+        ),
+        f"session {session} ended on its node",
+        timeout=timeout,
+    )
+
+
 def delivered(serving: Serving, session: str) -> list[dict]:
     answer = serving.cluster.control("reader_a").get(f"sessions/{session}/output")
     assert answer.status_code == 200, answer.text
@@ -320,6 +334,16 @@ def test_a_draining_instance_finishes_its_session_then_sleeps_and_refuses_new_on
     assert served.published_blocks == 3 + 5
     assert served.checkpoints >= 1 + 5
     assert (served.loaded_blocks, served.recomputed_tokens) == (0, 29)
+    # Where the time to the first token went, on the node's row and, as the instance sent it
+    # with its first checkpoint, at the control plane: every step, none negative, adding up
+    # to no more than the time from admission to the first token.
+    steps = ["queued", "keys", "directive", "prompt", "first_token"]
+    assert set(served.timings_us) == {*steps, "first_checkpoint", "first_post"}
+    assert all(type(spent) is int and spent >= 0 for spent in served.timings_us.values())
+    took_us = (served.first_token_at - served.received_at).total_seconds() * 1e6
+    assert sum(served.timings_us.values()) <= took_us + 1000
+    assert set(row.timings_us) == set(steps)
+    assert all(row.timings_us[step] == served.timings_us[step] for step in steps[1:])
 
     refused = serving.generate("e1", str(uuid.uuid4()), prompt, 4)
     assert refused.status_code == 409 and problem(refused) == "kvsp-invalid-state"
@@ -337,6 +361,7 @@ def test_blocks_prefetched_through_a_placement_give_the_logits_of_their_instance
     first = str(uuid.uuid4())
     assert serving.generate("e1", first, prompt, 24).status_code == 202
     completed(first)
+    finished_on_node(first)
     out = [t["token"] for t in delivered(serving, first)]
     # The prompt and the first 21 tokens A generated: six blocks A published (three of the
     # prompt, three generated) and two tokens after them.

@@ -55,8 +55,8 @@ def test_grow_commits_when_every_member_acknowledges(controller, worker):
         wait_until(lambda: ReshardOperation.objects.get().finished_at is not None, "finished")
         for node in (one, two, three):
             received = node.received("POST", "/kvsp/reshard")
-            assert received[0]["to"] == 5 and received[0]["instance"] == node.url
-            assert received[-1] == {"map": "ctx-1", "commit": 5}
+            assert received[0]["to"] == 5 and received[0]["instance"] == node.url, received
+            assert received[-1] == {"map": "ctx-1", "commit": 5, "attempt": 1}
     operation = ReshardOperation.objects.get()
     assert operation.phase == "committed"
     assert sorted(operation.acknowledged) == sorted([one.url, two.url, three.url])
@@ -77,12 +77,56 @@ def test_a_member_that_never_acknowledges_aborts_it(controller, worker):
         )
         wait_until(lambda: ReshardOperation.objects.get().phase == "aborted", "aborted")
         wait_until(lambda: ReshardOperation.objects.get().finished_at is not None, "told", 60)
-        assert one.received("POST", "/kvsp/reshard")[-1] == {"map": "ctx-1", "abort": 2}
-        assert slow.received("POST", "/kvsp/reshard")[-1] == {"map": "ctx-1", "abort": 2}
+        assert one.received("POST", "/kvsp/reshard")[-1] == {
+            "map": "ctx-1",
+            "abort": 2,
+            "attempt": 1,
+        }
+        assert slow.received("POST", "/kvsp/reshard")[-1] == {
+            "map": "ctx-1",
+            "abort": 2,
+            "attempt": 1,
+        }
     operation = ReshardOperation.objects.get()
     assert slow.url in operation.reason
     row = ShardMap.objects.get()
     assert (row.version, len(row.shards)) == (1, 1)  # version 1 stayed authoritative
+
+
+def test_after_an_abort_the_same_reshard_is_tried_again_and_commits(controller, worker):
+    """Version 1 stays authoritative after the abort, so the move to 2 may be tried again: the
+    same request makes attempt 2, whose plans and decision carry its number."""
+    with StandinNode() as one, StandinNode() as slow:
+        slow.delays[("POST", "/kvsp/reshard")] = 3.0
+        controller.put("/kvsp/shardmaps/ctx-1", shard_map(1, ((0, 100), one.url)))
+        request = {
+            "shards": shard_map(0, ((0, 50), one.url), ((50, 100), slow.url))["shards"],
+            "deadline_ms": 500,
+        }
+        assert controller.post("/kvsp/shardmaps/ctx-1/reshard", request).status_code == 202
+        wait_until(lambda: ReshardOperation.objects.get().finished_at is not None, "told", 60)
+        assert ReshardOperation.objects.get().phase == "aborted"
+        del slow.delays[("POST", "/kvsp/reshard")]
+
+        again = controller.post("/kvsp/shardmaps/ctx-1/reshard", {**request, "deadline_ms": 5000})
+        assert again.status_code == 202, again.content
+        assert again["Location"].endswith("/kvsp/shardmaps/ctx-1/reshards/2")
+        answer = body(again)
+        assert (answer["from"], answer["to"], answer["attempt"]) == (1, 2, 2)
+        assert {plan["attempt"] for plan in answer["plans"]} == {2}
+        second = ReshardOperation.objects.get(attempt=2)
+        wait_until(lambda: ReshardOperation.objects.get(pk=second.pk).finished_at, "finished")
+        for node in (one, slow):
+            received = node.received("POST", "/kvsp/reshard")
+            assert {"map": "ctx-1", "abort": 2, "attempt": 1} in received
+            assert received[-1] == {"map": "ctx-1", "commit": 2, "attempt": 2}
+            # The plans of attempt 1 may not have left before its deadline passed.
+            assert [plan["attempt"] for plan in received if "to" in plan][-1] == 2
+    status = body(controller.get("/kvsp/shardmaps/ctx-1/reshards/2"))
+    assert (status["attempt"], status["state"]) == (2, "committed")
+    assert ShardMap.objects.get().version == 2
+    phases = ReshardOperation.objects.order_by("attempt").values_list("attempt", "phase")
+    assert list(phases) == [(1, "aborted"), (2, "committed")]
 
 
 def test_a_pc_restart_between_prepare_and_commit_finishes_the_operation(controller):
@@ -115,7 +159,7 @@ def test_a_pc_restart_after_the_deadline_aborts(controller):
         )
         resharding.drive(operation.pk)
         assert not two.received("POST", "/kvsp/reshard")[:-1]  # the plan was never re-sent
-        assert two.received("POST", "/kvsp/reshard") == [{"map": "ctx-1", "abort": 2}]
+        assert two.received("POST", "/kvsp/reshard") == [{"map": "ctx-1", "abort": 2, "attempt": 1}]
     assert ReshardOperation.objects.get().phase == "aborted"
     assert ShardMap.objects.get().version == 1
 
@@ -129,7 +173,7 @@ def test_an_operator_abort_while_preparing(controller):
         )
         resharding.do_abort_reshard(operation.pk)
         resharding.drive(operation.pk)
-        assert two.received("POST", "/kvsp/reshard") == [{"map": "ctx-1", "abort": 2}]
+        assert two.received("POST", "/kvsp/reshard") == [{"map": "ctx-1", "abort": 2, "attempt": 1}]
     assert ReshardOperation.objects.get().phase == "aborted"
 
 

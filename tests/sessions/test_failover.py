@@ -3,9 +3,11 @@
 import uuid
 from datetime import timedelta
 
+import httpx
 import pytest
 from django.utils import timezone
 
+from placement.models import Instance
 from placement.services import do_mark_expired
 from sessions.models import Session
 from tests.placement.conftest import HOLDER
@@ -18,6 +20,7 @@ from tests.support.fixtures import (
     report,
     status_record,
 )
+from tests.support.processes import Redis
 from tests.support.standin import StandinNode
 from tests.support.waiting import wait_until
 
@@ -128,3 +131,83 @@ def test_with_nowhere_to_go_the_session_waits_with_its_new_epoch(cluster, worker
         assert retry_stalled() == 1
         (resume,) = b.wait_for("POST", f"/kvsp/sessions/{session}/resume")
     assert resume["epoch"] == 2
+
+
+def test_a_session_left_on_a_failed_instance_is_moved_by_the_sweep(cluster, worker):
+    """The process that failed instance a died before it moved a's sessions: the sweep finds
+    the session still with a failed instance and resumes it elsewhere."""
+    from sessions.tasks import retry_stalled
+
+    cluster.publish(4)
+    session = str(uuid.uuid4())
+    with StandinNode() as a, StandinNode() as b:
+        caller_a = up(a, "a", cluster.scope, ttl_ms=60_000)
+        up(b, "b", cluster.scope, ttl_ms=60_000)
+        caller_a.put(f"/kvsp/sessions/{session}/checkpoint", checkpoint(cluster, session))
+        Instance.objects.filter(name="a").update(state="failed", failed_at=timezone.now())
+        assert retry_stalled() == 1
+        (resume,) = b.wait_for("POST", f"/kvsp/sessions/{session}/resume")
+        wait_until(lambda: Session.objects.get().resume_sent_at is not None, "accepted")
+    assert resume["epoch"] == 2
+    row = Session.objects.get()
+    assert (row.instance.name, row.epoch, row.failovers) == ("b", 2, 1)
+
+
+@pytest.fixture
+def broker(log_dir):
+    """A broker of this test's own, to lose and bring back."""
+    redis = Redis("redis", log_dir).start()
+    yield redis
+    redis.stop()
+
+
+def test_a_resume_lost_with_the_broker_is_sent_by_the_sweep(
+    cluster, role_env, start_process, broker
+):
+    """The broker is down when a restart of instance a fails its session over to b: the report
+    is still answered, the resume is owed on the session's row, and once the broker is back
+    (empty) the sweep sends it; b accepts it and the session goes on to its end."""
+    cluster.publish(4)
+    session = str(uuid.uuid4())
+    controller = make_caller("pc", controller=True)
+    env = role_env(
+        KVSP_TOKEN=controller.token, CELERY_BROKER_URL=broker.url, KVSP_RESUME_RESEND_S="1"
+    )
+    server = start_process("server", "control", env, workers=1)
+    start_process("worker", "control-worker", env, queues=["control"])
+    start_process("beat", "beat", env)
+    with StandinNode() as a, StandinNode() as b:
+        caller_a = up(a, "a", cluster.scope, ttl_ms=60_000)
+        up(b, "b", cluster.scope, ttl_ms=60_000)
+        assert (
+            caller_a.put(
+                f"/kvsp/sessions/{session}/checkpoint", checkpoint(cluster, session, offset=3)
+            ).status_code
+            == 201
+        )
+
+        broker.stop()
+        restarted = httpx.put(
+            f"{server.url}/kvsp/instances/a/status",
+            json=status_record(a.url, epoch=2, links=LINKS, ttl_ms=60_000),
+            headers={"Authorization": f"Bearer {caller_a.token}"},
+            timeout=60,
+        )
+        assert restarted.status_code == 200, restarted.text
+        row = Session.objects.get()
+        assert (row.state, row.instance.name, row.epoch) == ("resuming", "b", 2)
+        assert row.resume_sent_at is None and not b.received("POST", "/kvsp/sessions/")
+
+        broker.start()
+        (resume,) = b.wait_for("POST", f"/kvsp/sessions/{session}/resume", timeout=90)
+        wait_until(lambda: Session.objects.get().resume_sent_at is not None, "accepted", 30)
+    assert resume["epoch"] == 2 and resume["checkpoint"]["output_offset"] == 3
+    assert [block["block_key"] for block in resume["blocks"]] == cluster.keys
+
+    caller_b = make_caller("node-b-2", scopes=[cluster.scope], instance="b")
+    resumed = checkpoint(cluster, session, epoch=2, offset=4)
+    assert caller_b.put(f"/kvsp/sessions/{session}/checkpoint", resumed).status_code == 200
+    tokens = [{"epoch": 2, "index": i, "token": 500 + i} for i in range(4)]
+    tokens[-1]["final"] = True
+    assert caller_b.post(f"/kvsp/sessions/{session}/output", tokens).status_code == 200
+    assert Session.objects.get().state == "completed"

@@ -269,5 +269,5 @@ class ReshardView(APIView):
         if isinstance(body, ReshardPlan):
             move = resharding.do_prepare(body, request.data)
         else:
-            move = resharding.do_decide(body)
+            move = resharding.do_decide(body, request.data)
         return Response(resharding.move_json(move))

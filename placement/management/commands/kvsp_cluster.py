@@ -7,6 +7,10 @@ from django.core.management.base import BaseCommand
 
 from kvspsite.localcluster import ClusterError, LocalCluster
 
+# How long the instances are watched after the run, for the summary: longer than a status TTL
+# and a keeper round, so that a node that stalls shows.
+HEALTH_CHECK_S = 8.0
+
 
 class Command(BaseCommand):
     help = (
@@ -43,6 +47,7 @@ class Command(BaseCommand):
             cluster.run_workload()
             cluster.show_failover()
             cluster.show_reshard()
+            cluster.check_instances(HEALTH_CHECK_S)
             cluster.console.print(cluster.summary())
             if options["json"]:
                 self.stdout.write(json.dumps(cluster.summary_json()))
@@ -55,5 +60,8 @@ class Command(BaseCommand):
         except ClusterError as error:
             self.stderr.write(f"kvsp_cluster: {error}")
             raise SystemExit(1) from None
+        except KeyboardInterrupt:
+            self.stderr.write("kvsp_cluster: interrupted")
+            raise SystemExit(130) from None
         finally:
             cluster.stop()

@@ -23,6 +23,6 @@ def compress_with_pglz(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("placement", "0008_directive_blocks_compact_encoder")]
+    dependencies = [("placement", "0009_directive_blocks_compact_encoder")]
 
     operations = [migrations.RunPython(compress_with_lz4, compress_with_pglz)]

@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("placement", "0007_wide_versions_and_epochs"),
+        ("placement", "0008_reshard_attempts"),
     ]
 
     operations = [
