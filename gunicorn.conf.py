@@ -46,6 +46,14 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_OWN_DIR)
 
 
+def post_worker_init(worker):
+    # A worker of the control plane prices placements: compile the fetch plan as it starts.
+    if os.environ.get("KVSP_ROLE", "control") == "control":
+        from placement.fetchplan import warm_in_background
+
+        warm_in_background()
+
+
 def on_exit(server):
     if _OWN_DIR is not None:
         shutil.rmtree(_OWN_DIR, ignore_errors=True)

@@ -256,7 +256,9 @@ def _check_unique(values: tuple, path: Path, key: Callable[[Any], Any], member: 
 def _check_uint32_list(values: object, path: Path) -> None:
     _check_tuple(values, path)
     # One pass over a long token list in the common case; the slow pass only names the culprit.
-    if all(type(t) is int and 0 <= t <= UINT32_MAX for t in values):
+    if not values or (
+        set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= UINT32_MAX
+    ):
         return
     for index, value in enumerate(values):
         _check_int(value, (*path, index), 0, UINT32_MAX)

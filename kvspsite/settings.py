@@ -242,6 +242,10 @@ KVSP_MEAN_OUTPUT_TOKENS = _int_setting("KVSP_MEAN_OUTPUT_TOKENS", 256)
 KVSP_STATUS_SAMPLE_S = _int_setting("KVSP_STATUS_SAMPLE_S", 10)
 KVSP_FAILURE_CHECK_S = _float_setting("KVSP_FAILURE_CHECK_S", 1.0)
 KVSP_DIRECTIVE_POLL_S = _float_setting("KVSP_DIRECTIVE_POLL_S", 0.2)
+# Directives are POSTed at once by the process that records them (placement/delivery.py):
+# threads per process, and how long one attempt may take before the Celery task retries it.
+KVSP_DIRECTIVE_SENDERS = _int_setting("KVSP_DIRECTIVE_SENDERS", 4)
+KVSP_DIRECTIVE_SEND_TIMEOUT_S = _float_setting("KVSP_DIRECTIVE_SEND_TIMEOUT_S", 2.0)
 # Failure detection pacing (placement.services.do_mark_expired).
 KVSP_FAILOVER_MAX_PER_CHECK = _int_setting("KVSP_FAILOVER_MAX_PER_CHECK", 10)
 KVSP_FAILOVER_CUT_OFF_FRACTION = _float_setting("KVSP_FAILOVER_CUT_OFF_FRACTION", 0.55)

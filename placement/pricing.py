@@ -1,12 +1,13 @@
 """The 6.4 cost of many candidate instances at once.
 
 ``kvsp.cost.price_instance`` is the reference: it prices one instance, block by block. Placing a
-long prompt over a fleet multiplies that by every instance (2,048 blocks x 100 instances is
-hundreds of thousands of Python steps), so this module walks the blocks once and carries every
-instance along in numpy arrays. It performs the same floating-point operations in the same
-order, with the same tie-breaking (the lower holder URL), so its figures equal the reference's
-exactly; tests/placement/test_pricing.py holds it to that. Only the chosen instance is then
-priced again by the reference, for the sources its prefetch directive lists.
+long prompt over a fleet multiplies that by every instance (2,048 blocks x 100 instances is some
+200,000 greedy decisions), so the matched blocks become one table of holder columns and replica
+shapes (``BlockTable``), the fleet's links another (``LinkTable``), and ``placement.fetchplan``
+walks them compiled. It performs the same floating-point operations in the same order, with the
+same tie-breaking (the lower holder URL), so its figures equal the reference's exactly, and so
+do the sources of the chosen instance's directive; tests/placement/test_pricing.py holds both to
+that.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from django.conf import settings
 
 from kvsp import cost
 from kvsp.records import InstanceStatusRecord
+from placement import fetchplan
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,74 +52,135 @@ class Price:
         }
 
 
-def _shape(replica) -> tuple:
-    return (replica.size, tuple((e.layer_count, e.read_mbit_per_s) for e in replica.residency))
+@dataclass(frozen=True, slots=True)
+class BlockTable:
+    """Matched blocks (in prefix order) as ``placement.fetchplan`` reads them: which holder
+    column has a replica of which block, in which of a few replica shapes (size and residency).
+    """
+
+    block_keys: tuple[str, ...]
+    holders: tuple[str, ...]  # sorted: a lower column is a lower URL, the reference's tie-break
+    shape_of: np.ndarray  # (blocks, holders) int32, -1 where the holder has no replica
+    shape_size: np.ndarray  # (shapes,) int64
+    shape_layers: np.ndarray  # (shapes, entries) int64 layer counts, 0 past the last entry
+    shape_read: np.ndarray  # (shapes, entries) float64 read rates, 0.0 where none is given
+
+    def __len__(self) -> int:
+        return len(self.block_keys)
+
+    @classmethod
+    def build(cls, block_keys, holders, placed, shapes) -> BlockTable:
+        """``placed``: (holder, shape index, block positions) triples; ``shapes``: (size,
+        residency) pairs, residency a sequence of ``ResidencyEntry``."""
+        column = {holder: h for h, holder in enumerate(holders)}
+        shape_of = np.full((len(block_keys), len(holders)), -1, dtype=np.int32)
+        for holder, shape, positions in placed:
+            shape_of[positions, column[holder]] = shape
+        entries = max((len(residency) for _, residency in shapes), default=0)
+        shape_size = np.zeros(len(shapes), dtype=np.int64)
+        shape_layers = np.zeros((len(shapes), max(entries, 1)), dtype=np.int64)
+        shape_read = np.zeros((len(shapes), max(entries, 1)))
+        for s, (size, residency) in enumerate(shapes):
+            shape_size[s] = size
+            for e, entry in enumerate(residency):
+                shape_layers[s, e] = entry.layer_count
+                shape_read[s, e] = entry.read_mbit_per_s or 0.0
+        return cls(
+            tuple(block_keys), tuple(holders), shape_of, shape_size, shape_layers, shape_read
+        )
+
+    @classmethod
+    def from_matched_blocks(cls, blocks: Sequence[cost.MatchedBlock]) -> BlockTable:
+        holders = sorted({replica.holder for block in blocks for replica in block.replicas})
+        shape_index: dict[tuple, int] = {}
+        shapes, placed = [], []
+        for b, block in enumerate(blocks):
+            for replica in block.replicas:
+                shape = (replica.size, tuple(replica.residency))
+                s = shape_index.setdefault(shape, len(shapes))
+                if s == len(shapes):
+                    shapes.append(shape)
+                placed.append((replica.holder, s, [b]))
+        return cls.build([block.block_key for block in blocks], holders, placed, shapes)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTable:
+    """Every instance's links to the holder columns of a ``BlockTable``."""
+
+    rate: np.ndarray
+    rtt: np.ndarray
+    usable: np.ndarray
+    own_column: np.ndarray
+
+    @classmethod
+    def build(cls, statuses: Sequence[InstanceStatusRecord], holders: Sequence[str]) -> LinkTable:
+        column = {holder: h for h, holder in enumerate(holders)}
+        shape = (len(statuses), len(holders))
+        rate, rtt, usable = np.ones(shape), np.zeros(shape), np.zeros(shape, dtype=bool)
+        own_column = np.full(len(statuses), -1, dtype=np.int64)
+        for i, status in enumerate(statuses):
+            own_column[i] = column.get(status.instance, -1)
+            for link in status.links:  # as the reference's dict of links: the last one wins
+                h = column.get(link.holder)
+                if h is not None and link.holder != status.instance:
+                    rate[i, h], rtt[i, h], usable[i, h] = link.mbit_per_s, link.rtt_us, True
+        return cls(rate, rtt, usable, own_column)
+
+
+def _as_table(blocks) -> BlockTable:
+    return blocks if isinstance(blocks, BlockTable) else BlockTable.from_matched_blocks(blocks)
+
+
+def _arrays(table: BlockTable, links: LinkTable) -> tuple:
+    return (
+        table.shape_of,
+        table.shape_size,
+        table.shape_layers,
+        table.shape_read,
+        links.rate,
+        links.rtt,
+        links.usable,
+        links.own_column,
+    )
 
 
 def fetch_plans(
-    statuses: Sequence[InstanceStatusRecord], blocks: Sequence[cost.MatchedBlock]
+    statuses: Sequence[InstanceStatusRecord], blocks: BlockTable | Sequence[cost.MatchedBlock]
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each instance, the loadable prefix length and fetch_us of ``kvsp.cost.plan_fetch``."""
-    count = len(statuses)
-    holders = sorted({replica.holder for block in blocks for replica in block.replicas})
-    if not holders:  # no block has a replica: nothing is loadable anywhere
-        return np.zeros(count, dtype=np.int64), np.zeros(count)
-    column = {holder: h for h, holder in enumerate(holders)}
-    row_of_url = {status.instance: i for i, status in enumerate(statuses)}
-    rate = np.zeros((count, len(holders)))
-    rtt = np.zeros((count, len(holders)))
-    usable = np.zeros((count, len(holders)), dtype=bool)
-    for i, status in enumerate(statuses):
-        for link in status.links:
-            h = column.get(link.holder)
-            if h is not None and link.holder != status.instance:
-                rate[i, h], rtt[i, h], usable[i, h] = link.mbit_per_s, link.rtt_us, True
+    table = _as_table(blocks)
+    if not table.holders:  # no block has a replica: nothing is loadable anywhere
+        return np.zeros(len(statuses), dtype=np.int64), np.zeros(len(statuses))
+    return fetchplan.plan_fleet(*_arrays(table, LinkTable.build(statuses, table.holders)))
 
-    transfer_cache: dict[tuple, np.ndarray] = {}
 
-    def transfer(h: int, replica) -> np.ndarray:
-        # The reference's own arithmetic, once per (holder, replica shape) and instance.
-        key = (h, _shape(replica))
-        if key not in transfer_cache:
-            transfer_cache[key] = np.array(
-                [
-                    cost.replica_transfer_us(replica, rate[i, h]) if usable[i, h] else np.inf
-                    for i in range(count)
-                ]
-            )
-        return transfer_cache[key]
-
-    busy = np.zeros((count, len(holders)))
-    used = np.zeros((count, len(holders)), dtype=bool)
-    alive = np.ones(count, dtype=bool)
-    loadable = np.zeros(count, dtype=np.int64)
-    rows = np.arange(count)
-    for block in blocks:
-        resident = np.zeros(count, dtype=bool)
-        finish = np.full((count, len(holders)), np.inf)
-        transfer_of = np.zeros((count, len(holders)))
-        for replica in block.replicas:
-            i = row_of_url.get(replica.holder)
-            if i is not None:
-                resident[i] = True
-            h = column[replica.holder]
-            seconds = transfer(h, replica)
-            finish[:, h] = np.where(usable[:, h], rtt[:, h] + busy[:, h] + seconds, np.inf)
-            transfer_of[:, h] = seconds
-        best = np.argmin(finish, axis=1)
-        reachable = np.isfinite(finish[rows, best])
-        fetch = alive & ~resident & reachable
-        busy[rows[fetch], best[fetch]] += transfer_of[rows[fetch], best[fetch]]
-        used[rows[fetch], best[fetch]] = True
-        alive &= resident | reachable
-        loadable += alive
-    fetch_us = np.where(used, rtt + busy, -np.inf).max(axis=1, initial=-np.inf)
-    return loadable, np.where(np.isfinite(fetch_us), fetch_us, 0.0)
+def directive_blocks(status: InstanceStatusRecord, blocks: BlockTable) -> list[dict]:
+    """The blocks of a prefetch directive (6.5) for one instance, as JSON: each block of its
+    loadable prefix that is not resident there, with its usable sources by finish time (the
+    ``fetch`` of ``kvsp.cost.price_instance``). The holders are URLs the IS validated.
+    """
+    if not blocks.holders:
+        return []
+    loadable, ranked = fetchplan.plan_sources(
+        0, *_arrays(blocks, LinkTable.build([status], blocks.holders))
+    )
+    sources_of: dict[tuple, list[str]] = {}
+    out = []
+    rows = map(tuple, ranked[:loadable].tolist())
+    for key, row in zip(blocks.block_keys[:loadable], rows, strict=True):
+        if row[0] < 0:
+            continue  # resident
+        sources = sources_of.get(row)
+        if sources is None:
+            sources = sources_of[row] = [blocks.holders[h] for h in row if h >= 0]
+        out.append({"block_key": key, "sources": sources})
+    return out
 
 
 def price_all(
     statuses: Sequence[InstanceStatusRecord],
-    blocks: Sequence[cost.MatchedBlock],
+    blocks: BlockTable | Sequence[cost.MatchedBlock],
     *,
     block_tokens: int,
     prompt_tokens: int,

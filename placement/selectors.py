@@ -8,13 +8,16 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
+import numpy as np
 from django.db.models import Avg, Count, DurationField, ExpressionWrapper, F, Max, Q, Sum
+from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from index.models import CompatDescriptor
 from kvsp import cost
 from kvsp.records import InstanceStatusRecord, ResidencyEntry
+from placement import pricing
 from placement.models import (
     Directive,
     DirectiveState,
@@ -63,6 +66,23 @@ def matched_blocks(blocks) -> list[cost.MatchedBlock]:
     return matched
 
 
+def matched_block_table(keys: list[bytes], groups, matched: int) -> pricing.BlockTable:
+    """The first ``matched`` of ``keys`` with their replicas (``index.selectors.ReplicaGroup``
+    of the lookup) as the fleet's pricing reads them."""
+    holders = sorted({group.holder for group in groups})
+    shape_index: dict[tuple, int] = {}
+    placed = []
+    for group in groups:
+        positions = np.asarray(group.positions, dtype=np.int64)
+        positions = positions[positions < matched]
+        if len(positions):
+            shape = (group.size, group.residency_json)
+            s = shape_index.setdefault(shape, len(shape_index))
+            placed.append((group.holder, s, positions))
+    shapes = [(size, _residency(residency)) for size, residency in shape_index]
+    return pricing.BlockTable.build([k.hex() for k in keys[:matched]], holders, placed, shapes)
+
+
 def lookup_estimates(
     targets, compat_id: bytes, blocks, *, now: datetime | None = None
 ) -> tuple[list[dict], list[dict]]:
@@ -92,15 +112,72 @@ def lookup_estimates(
     return estimates, unpriced
 
 
+class LinkFigures(NamedTuple):
+    holder: str
+    mbit_per_s: int | float
+    rtt_us: int | float
+
+
+class LiveStatus(NamedTuple):
+    """What pricing and policy read of an accepted, unexpired Instance Status Record: the
+    instance row's copy of its figures and the record's links, as the PC stored them after
+    validating the record (so not validated again for every placement)."""
+
+    instance: str
+    running: int
+    queued: int
+    batch_size: int
+    kv_utilization: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    links: tuple[LinkFigures, ...]
+
+
+# An instance row as placement reads it: not the whole status record, only its links.
+_PRICED_FIELDS = (
+    "name",
+    "url",
+    "state",
+    "compat_ids",
+    "reported_compat_ids",
+    "running",
+    "queued",
+    "batch_size",
+    "kv_utilization",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+)
+
+
 def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
     """(instance, live status) of the instances in ``states`` that serve the compat id."""
     now = now or timezone.now()
-    for instance in Instance.objects.filter(state__in=states):
+    live = (
+        Instance.objects.filter(state__in=states, expires_at__gt=now)
+        .exclude(last_status=None)
+        .only(*_PRICED_FIELDS)
+        .annotate(status_links=KeyTransform("links", "last_status"))
+    )
+    for instance in live:
         if not instance.serves(compat_id_hex):
             continue
-        status = live_status(instance, now)
-        if status is not None:
-            yield instance, status
+        links = tuple(
+            LinkFigures(link["holder"], link["mbit_per_s"], link["rtt_us"])
+            for link in instance.status_links
+        )
+        yield (
+            instance,
+            LiveStatus(
+                instance.url,
+                instance.running,
+                instance.queued,
+                instance.batch_size,
+                instance.kv_utilization,
+                instance.prefill_tokens_per_s,
+                instance.decode_tokens_per_s,
+                links,
+            ),
+        )
 
 
 def instance_json(instance: Instance, *, now=None) -> dict:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from celery.signals import worker_process_init, worker_ready
 from django.conf import settings
-from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -17,12 +17,11 @@ from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveState as DirectiveStateRecord
 from kvspsite.celery import add_housekeeping, kvsp_task
 from kvspsite.peers import call, peer_client, raise_for_problem
-from placement import resharding, services
+from placement import delivery, fetchplan, resharding, services
 from placement.models import (
     Directive,
     DirectiveState,
     Instance,
-    InstanceState,
     ReshardOperation,
 )
 
@@ -49,34 +48,10 @@ def push_state(instance_id: int, version: int) -> str:
 
 @kvsp_task(name="placement.send_directive", max_retries=5, time_limit=30)
 def send_directive(directive_id: int) -> str:
-    """POST prefetch on the chosen instance (spec 6.5); never to an instance not active."""
-    directive = Directive.objects.select_related("instance").filter(pk=directive_id).first()
-    if directive is None or directive.sent_at is not None:
-        return "done"
-    if directive.state != DirectiveState.PENDING:
-        return directive.state
-    if directive.instance.state != InstanceState.ACTIVE:
-        _finish(directive, DirectiveState.FAILED, reason="the instance is not active")
-        return "failed"
+    """POST prefetch on the chosen instance (spec 6.5): the retry of a directive that its
+    process could not send at once (``placement.delivery``)."""
     with peer_client() as client:
-        response = call(client, "POST", f"{directive.instance.url}prefetch", json=directive.body())
-    if response.status_code >= 500:
-        raise_for_problem(response)  # retried
-    if response.status_code != 202:
-        try:
-            raise_for_problem(response)
-            reason = f"the instance answered {response.status_code}"
-        except ProtocolError as error:
-            reason = error.detail
-        _finish(directive, DirectiveState.FAILED, reason=reason, send_error=reason)
-        return "failed"
-    location = response.headers.get("Location", "")
-    status_url = str(response.url.join(location)) if location else ""
-    Directive.objects.filter(pk=directive_id, sent_at__isnull=True).update(
-        sent_at=timezone.now(), status_url=status_url
-    )
-    poll_directive.apply_async((directive_id,), countdown=settings.KVSP_DIRECTIVE_POLL_S)
-    return "sent"
+        return delivery.deliver(directive_id, client=client)
 
 
 @kvsp_task(name="placement.poll_directive", max_retries=10, time_limit=30)
@@ -92,26 +67,23 @@ def poll_directive(directive_id: int) -> str:
         state = DirectiveStateRecord.from_json(response.json())
     except ProtocolError as error:
         # The instance does not know the directive (it restarted, say) or answers nonsense.
-        _finish(directive, DirectiveState.FAILED, reason=error.detail)
+        delivery.finish_directive(directive.pk, DirectiveState.FAILED, reason=error.detail)
         return "failed"
     Directive.objects.filter(pk=directive_id).update(polled_at=timezone.now())
     if state.state != DirectiveState.PENDING:
-        _finish(directive, state.state, loaded=list(state.loaded), reason=state.reason or "")
+        delivery.finish_directive(
+            directive.pk, state.state, loaded=list(state.loaded), reason=state.reason or ""
+        )
         return state.state
     waited_ms = (timezone.now() - directive.created_at).total_seconds() * 1000
     # The instance stops at the deadline itself; past it (with slack) stop asking.
     if waited_ms > directive.deadline_ms + 30_000:
-        _finish(directive, DirectiveState.FAILED, reason="no final state was reported in time")
+        delivery.finish_directive(
+            directive.pk, DirectiveState.FAILED, reason="no final state was reported in time"
+        )
         return "failed"
     poll_directive.apply_async((directive_id,), countdown=settings.KVSP_DIRECTIVE_POLL_S)
     return "pending"
-
-
-def _finish(directive: Directive, state: str, **fields) -> None:
-    with transaction.atomic():
-        Directive.objects.filter(pk=directive.pk, state=DirectiveState.PENDING).update(
-            state=state, finished_at=timezone.now(), **fields
-        )
 
 
 @kvsp_task(name="placement.drive_reshard", max_retries=30, time_limit=660, bind=True)
@@ -183,3 +155,17 @@ add_housekeeping(
 add_housekeeping("prune-status-samples", "placement.prune_samples", 300.0)
 add_housekeeping("resume-reshards", "placement.resume_reshards", 10.0)
 add_housekeeping("resend-pending", "placement.resend_pending", 10.0)
+
+
+@worker_process_init.connect
+def _warm_in_pool_process(**_) -> None:
+    if settings.KVSP_ROLE == "control":
+        fetchplan.warm_in_background()
+
+
+@worker_ready.connect
+def _warm_in_worker(sender=None, **_) -> None:
+    # A prefork worker's parent forks pool processes: they warm themselves (above).
+    pool = getattr(sender, "pool", None)
+    if settings.KVSP_ROLE == "control" and "prefork" not in type(pool).__module__:
+        fetchplan.warm_in_background()

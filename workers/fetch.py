@@ -31,6 +31,7 @@ from kvsp.reprdigest import (
     parse_repr_digest,
     verify_repr_digest,
 )
+from workers.links import Transfer
 
 # The media type of the KV Block Container (spec 11.1). This module needs nothing of Django,
 # so that any client can fetch and verify blocks with it.
@@ -134,9 +135,11 @@ class FetchedBlock:
     buffer: memoryview
     repr_sha256: bytes
     layer_digests: list[bytes]
-    # From sending the request to the response's head, and to its last octet.
+    # From sending the request to the response's head, and to its last octet verified.
     first_byte_s: float
     elapsed_s: float
+    # The body's transfer alone, for the link's figures (workers/links.py).
+    transfer: Transfer
 
     @property
     def size(self) -> int:
@@ -224,6 +227,7 @@ def fetch_block(
                 reader.feed(chunk)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExpired("the deadline passed")
+            last_octet_at = time.perf_counter()
             container = reader.finish()
             repr_sha256 = hasher.digest()
     except httpx.HTTPError as exc:
@@ -251,6 +255,12 @@ def fetch_block(
         layer_digests=digests,
         first_byte_s=first_byte_s,
         elapsed_s=time.perf_counter() - started,
+        transfer=Transfer(
+            head_at=started + first_byte_s,
+            last_octet_at=last_octet_at,
+            head_s=first_byte_s,
+            octets=len(container.buffer),
+        ),
     )
 
 

@@ -43,6 +43,7 @@ from kvsp.problems import ProtocolError
 from kvsp.records import LeaseRequest, ReplicaRecord
 from kvspsite.peers import PeerUnreachable, peer_client
 from workers import control, fetch, services, tiers
+from workers.links import LinkMeter
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +76,6 @@ class Failure:
     def detail(self) -> str:
         tried = "; ".join(f"{source}: {reason}" for source, reason in self.reasons)
         return f"no source could serve block {self.block_key}: {tried or 'no source was listed'}"
-
-
-@dataclass
-class LinkSample:
-    """What one load saw of one source, folded into the measured link at the end: the
-    quickest response head of its GETs as the round trip, and the octets over the time spent
-    receiving them as the rate (per connection: loads running side by side each count)."""
-
-    rtt_us: float = float("inf")
-    octets: int = 0
-    transfer_us: float = 0.0
-
-    def add(self, fetched: fetch.FetchedBlock) -> None:
-        self.rtt_us = min(self.rtt_us, fetched.first_byte_s * 1e6)
-        self.octets += fetched.size
-        self.transfer_us += max((fetched.elapsed_s - fetched.first_byte_s) * 1e6, 1.0)
 
 
 class _Refused(Exception):
@@ -143,7 +128,7 @@ class Loader:
         self.failure: Failure | None = None
         self.deadline_hit = False
         self.decided = False
-        self.links: dict[str, LinkSample] = {}
+        self.links = LinkMeter()
         self._expected: dict[str, dict[str, ReplicaRecord]] = {}
         self._leases: dict[str, fetch.Lease | None] = {}
         self._lease_keys: dict[str, list[str]] = {}
@@ -188,14 +173,7 @@ class Loader:
                 for lease in self._leases.values():
                     if lease is not None:
                         fetch.release_lease(client, lease)
-        for holder, sample in self.links.items():
-            if sample.octets:
-                services.do_record_link(
-                    self.instance,
-                    holder,
-                    rtt_us=sample.rtt_us,
-                    mbit_per_s=8 * sample.octets / sample.transfer_us,
-                )
+        self.links.record(self.instance)
         return self
 
     def _fail(self, failure: Failure) -> None:
@@ -414,6 +392,5 @@ class Loader:
             repr_sha256=fetched.repr_sha256,
         )
         spool = tiers.write_spool(self.instance, [fetched.buffer])
-        with self._lock:
-            self.links.setdefault(source, LinkSample()).add(fetched)
+        self.links.add(source, fetched.transfer)
         return services.LoadedBlock(ids, spool, fields, install)

@@ -99,7 +99,8 @@ class StandinHolder:
 
     ``delay_s[key]`` holds a block back before its first octet; ``trickle_s[key]`` spreads it
     over that many seconds; ``served[key]`` replaces the octets sent (with a Repr-Digest of
-    what is sent), to inject a block whose layers differ from its record.
+    what is sent), to inject a block whose layers differ from its record. ``pace_mbit_per_s``
+    makes the holder a link of that rate: the bodies of all GETs together leave no faster.
     """
 
     def __init__(self):
@@ -107,6 +108,9 @@ class StandinHolder:
         self.served: dict[str, bytes] = {}
         self.delay_s: dict[str, float] = {}
         self.trickle_s: dict[str, float] = {}
+        self.pace_mbit_per_s = 0.0
+        self._link_free_at = 0.0
+        self._link_lock = threading.Lock()
         self.leases: list[dict] = []
         self.gets: list[str] = []
         holder = self
@@ -160,6 +164,8 @@ class StandinHolder:
                 data = holder.served.get(key, holder.blocks[key])
                 headers = [("Repr-Digest", repr_digest_header(sha256(data)))]
                 self._head(200, len(data), BLOCK, headers)
+                if holder.pace_mbit_per_s:
+                    return self._paced(data)
                 trickle = holder.trickle_s.get(key, 0)
                 pieces = 16 if trickle else 1
                 step = -(-len(data) // pieces)
@@ -171,6 +177,18 @@ class StandinHolder:
                             time.sleep(trickle / pieces)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
+
+            def _paced(self, data: bytes):
+                # Each piece occupies the one link for its octets' time, after those before it.
+                for start in range(0, len(data), 4096):
+                    piece = data[start : start + 4096]
+                    with holder._link_lock:
+                        sent_at = max(time.perf_counter(), holder._link_free_at)
+                        sent_at += 8 * len(piece) / (holder.pace_mbit_per_s * 1e6)
+                        holder._link_free_at = sent_at
+                    time.sleep(max(sent_at - time.perf_counter(), 0))
+                    self.wfile.write(piece)
+                    self.wfile.flush()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

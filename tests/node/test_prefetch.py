@@ -117,6 +117,26 @@ def test_publish_lookup_and_prefetch_from_a_peer(cluster):
     assert wait_until(reported, "the measured link in a status report", timeout=10)
 
 
+def test_the_measured_link_is_the_link_not_the_pipeline(cluster, standin):
+    # The stand-in is a 4 Mbit/s link; n1 loads from it on several connections at once and
+    # verifies, stores and publishes each block meanwhile: its figure is still the link's.
+    from workers.models import MeasuredLink
+
+    n1 = cluster.node("n1")
+    keys = [random_key() for _ in range(12)]
+    for seed, key in enumerate(keys, start=600):
+        standin.add(key, container(seed))
+    standin.holder.pace_mbit_per_s = 4.0
+    try:
+        body = directive_body(cluster, [(key, [standin.holder.url]) for key in keys])
+        state = run_directive(cluster, n1, body)
+    finally:
+        standin.holder.pace_mbit_per_s = 0.0
+    assert state["state"] == "complete"
+    link = MeasuredLink.objects.get(instance=n1.name, holder=standin.holder.url)
+    assert 0.6 * 4.0 <= link.mbit_per_s <= 1.3 * 4.0
+
+
 def test_wrong_octets_at_a_source_are_refused_and_the_next_source_used(cluster, standin):
     n1, n2 = cluster.node("n1"), cluster.node("n2")
     key, data = random_key(), container(510)

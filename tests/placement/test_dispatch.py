@@ -2,6 +2,7 @@
 (6.5), state changes (6.3), the wake path (6.4), and failure detection by Celery beat.
 """
 
+import httpx
 import pytest
 from django.utils import timezone
 
@@ -50,6 +51,65 @@ def test_directive_is_sent_to_the_chosen_instance_and_followed(
     assert sent["layer_order"] == "ascending" and sent["deadline_ms"] > 0 and sent["lease_ms"] > 0
     assert directive.loaded == cluster.keys
     assert directive.status_url == f"{node.url}prefetch/{directive.directive}"
+
+
+@pytest.fixture
+def controller_server(cluster, controller_env, start_process):
+    """The control plane as its own process, with no Celery worker; 4 blocks published."""
+    env, _ = controller_env
+    cluster.publish(4)
+    return start_process("server", "control", env, workers=1)
+
+
+def place_over_http(server, cluster) -> dict:
+    document = {
+        "scope_id": cluster.scope.scope_id_hex,
+        "compat_id": cluster.compat,
+        "tokens": cluster.tokens,
+        "request_ref": "router-req-1",
+    }
+    headers = {"Authorization": f"Bearer {cluster.router.token}"}
+    response = httpx.post(
+        f"{server.url}/kvsp/placements", json=document, headers=headers, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_the_controller_sends_a_directive_itself_with_no_worker_running(cluster, controller_server):
+    with StandinNode() as node:
+        node_at(node, "ii1", cluster.scope)
+        answer = place_over_http(controller_server, cluster)
+        (sent,) = node.wait_for("POST", "/kvsp/prefetch")
+        wait_until(lambda: Directive.objects.get().sent_at is not None, "directive sent")
+    directive = Directive.objects.get()
+    assert answer["directive"] == f"{node.url}prefetch/{directive.directive}"
+    assert sent["directive"] == str(directive.directive)
+    assert [b["block_key"] for b in sent["blocks"]] == cluster.keys
+    assert directive.status_url == f"{node.url}prefetch/{directive.directive}"
+
+
+def test_a_directive_for_an_instance_that_is_down_is_delivered_once_it_is_back(
+    cluster, controller_env, controller_server, start_process
+):
+    env, _ = controller_env
+    with StandinNode() as gone:
+        # Its status outlives the wait (beat fails an instance whose record expires).
+        node_at(gone, "ii1", cluster.scope, ttl_ms=600_000)
+        url, port = gone.url, gone.port
+    answer = place_over_http(controller_server, cluster)  # nobody listens at the instance's URL
+    assert answer["directive"].startswith(url)
+    wait_until(lambda: "not delivered at once" in controller_server.log(), "the attempt failed")
+    assert Directive.objects.get().sent_at is None
+    with StandinNode(port=port) as node:
+        start_process("worker", "control-worker", env, queues=["control"])
+        start_process("beat", "beat", env)
+        (sent,) = node.wait_for("POST", "/kvsp/prefetch", timeout=60)
+        wait_until(
+            lambda: Directive.objects.get().state == DirectiveState.COMPLETE, "directive complete"
+        )
+    assert sent["directive"] == str(Directive.objects.get().directive)
+    assert [b["block_key"] for b in sent["blocks"]] == cluster.keys
 
 
 def test_a_refused_directive_is_recorded_as_failed(cluster, controller_env, start_process):

@@ -1,4 +1,5 @@
-"""The fleet-wide pricing equals the reference cost model, instance by instance (6.4)."""
+"""The fleet-wide pricing, and the sources of the chosen instance's directive, equal the
+reference cost model, instance by instance (6.4)."""
 
 import hashlib
 
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvsp import cost
 from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord, ResidencyEntry
-from placement.pricing import price_all
+from placement.pricing import BlockTable, directive_blocks, price_all
 
 HOLDERS = [f"http://h{n}.test/kvsp/" for n in range(4)]
 INSTANCES = [f"http://ii{n}.test/kvsp/" for n in range(5)]
@@ -51,23 +52,24 @@ link_strategy = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    blocks=st.lists(block_strategy, max_size=12),
-    fleet=st.lists(
-        st.tuples(link_strategy, st.integers(0, 5), st.integers(1, 100_000)),
-        min_size=1,
-        max_size=5,
-    ),
-    tail=st.integers(0, 15),
+fleet_strategy = st.lists(
+    st.tuples(link_strategy, st.integers(0, 5), st.integers(1, 100_000)),
+    min_size=1,
+    max_size=5,
 )
-def test_fleet_pricing_equals_the_reference(blocks, fleet, tail):
+
+
+def matched_blocks(blocks):
     matched = []
     for index, options in enumerate(blocks):
         key = hashlib.sha256(str(index).encode()).hexdigest()
         replicas = tuple(replica(key, *option) for option in options)
         matched.append(cost.MatchedBlock(key, replicas))
-    statuses = [
+    return matched
+
+
+def statuses(fleet):
+    return [
         InstanceStatusRecord(
             instance=INSTANCES[n],
             epoch=1,
@@ -83,11 +85,18 @@ def test_fleet_pricing_equals_the_reference(blocks, fleet, tail):
         )
         for n, (links, queued, prefill) in enumerate(fleet)
     ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(blocks=st.lists(block_strategy, max_size=12), fleet=fleet_strategy, tail=st.integers(0, 15))
+def test_fleet_pricing_equals_the_reference(blocks, fleet, tail):
+    matched = matched_blocks(blocks)
+    fleet_statuses = statuses(fleet)
     prompt_tokens = 16 * len(matched) + tail
     prices = price_all(
-        statuses, matched, block_tokens=16, prompt_tokens=prompt_tokens, mean_output_tokens=64
+        fleet_statuses, matched, block_tokens=16, prompt_tokens=prompt_tokens, mean_output_tokens=64
     )
-    for status, price in zip(statuses, prices, strict=True):
+    for status, price in zip(fleet_statuses, prices, strict=True):
         reference = cost.price_instance(
             status,
             matched,
@@ -98,3 +107,14 @@ def test_fleet_pricing_equals_the_reference(blocks, fleet, tail):
         assert price.matched == reference.matched
         assert price.to_json() == reference.to_json()  # exactly, not approximately
         assert price.uses_cache == reference.uses_cache
+
+
+@settings(max_examples=150, deadline=None)
+@given(blocks=st.lists(block_strategy, max_size=12), fleet=fleet_strategy)
+def test_directive_sources_equal_the_reference(blocks, fleet):
+    matched = matched_blocks(blocks)
+    table = BlockTable.from_matched_blocks(matched)
+    for status in statuses(fleet):
+        plan = cost.plan_fetch(status.instance, status.links, matched)
+        expected = [block.directive_block().to_json() for block in plan.fetched]
+        assert directive_blocks(status, table) == expected

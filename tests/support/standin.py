@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class StandinNode:
-    def __init__(self):
+    def __init__(self, port: int = 0):
+        """``port``: one a previous stand-in had, to bring a node back up at its URL."""
         self.requests: list[tuple[str, str, dict | None]] = []
         self.directives: dict[str, dict] = {}
         # Per-route overrides: (method, path prefix) -> (status, body or None).
@@ -75,8 +76,9 @@ class StandinNode:
             def do_PUT(self):
                 self._handle("PUT")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/kvsp/"
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/kvsp/"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> StandinNode:

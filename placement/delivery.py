@@ -1,0 +1,141 @@
+"""Sending prefetch directives to instances (spec 6.5).
+
+A directive is a row first. The process that committed it POSTs it to the instance at once,
+from a small pool of threads of its own, so that loading starts without waiting for a queue and
+a worker (and off the placement answer's critical path). When that attempt fails (the instance
+is unreachable, answers 5xx, or the process goes away first), the Celery task
+``placement.send_directive`` is the path that retries, and the ``resend-pending`` sweep sends
+every directive still unaccepted. Sending twice is harmless: the instance keys the directive by
+its id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import orjson
+from django.conf import settings
+from django.db import connections, transaction
+from django.utils import timezone
+
+from kvsp.problems import ProtocolError
+from kvspsite.celery import enqueue
+from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
+from placement.models import Directive, DirectiveState, InstanceState
+
+log = logging.getLogger(__name__)
+
+_senders: ThreadPoolExecutor | None = None
+_senders_pid = 0
+_senders_lock = threading.Lock()
+_clients = threading.local()
+
+
+def finish_directive(directive_id: int, state: str, **fields) -> None:
+    """Record a final state of a pending directive."""
+    with transaction.atomic():
+        Directive.objects.filter(pk=directive_id, state=DirectiveState.PENDING).update(
+            state=state, finished_at=timezone.now(), **fields
+        )
+
+
+def deliver(directive_id: int, *, client: httpx.Client, document: dict | None = None) -> str:
+    """POST prefetch on the chosen instance, never one not active, and follow it once it is
+    accepted. Raises ``PeerUnreachable`` when it is worth trying again later; a refusal is final.
+
+    ``document`` is the directive as sent (``Directive.body``) when the caller has it at hand.
+    """
+    directives = Directive.objects.select_related("instance")
+    if document is not None:
+        directives = directives.defer("blocks")  # thousands of entries the caller already has
+    directive = directives.filter(pk=directive_id).first()
+    if directive is None or directive.sent_at is not None:
+        return "done"
+    if directive.state != DirectiveState.PENDING:
+        return directive.state
+    if directive.instance.state != InstanceState.ACTIVE:
+        finish_directive(directive_id, DirectiveState.FAILED, reason="the instance is not active")
+        return "failed"
+    content = orjson.dumps(document if document is not None else directive.body())
+    response = call(
+        client,
+        "POST",
+        f"{directive.instance.url}prefetch",
+        content=content,
+        headers={"Content-Type": "application/json"},
+    )
+    if response.status_code >= 500:
+        raise_for_problem(response)  # retried
+    if response.status_code != 202:
+        try:
+            raise_for_problem(response)
+            reason = f"the instance answered {response.status_code}"
+        except ProtocolError as error:
+            reason = error.detail
+        finish_directive(directive_id, DirectiveState.FAILED, reason=reason, send_error=reason)
+        return "failed"
+    location = response.headers.get("Location", "")
+    status_url = str(response.url.join(location)) if location else ""
+    Directive.objects.filter(pk=directive_id, sent_at__isnull=True).update(
+        sent_at=timezone.now(), status_url=status_url
+    )
+    from placement.tasks import poll_directive
+
+    enqueue(poll_directive, directive_id, countdown=settings.KVSP_DIRECTIVE_POLL_S)
+    return "sent"
+
+
+def send_soon(directive_id: int, document: dict) -> None:
+    """Send a committed directive now, from this process's senders (call it on commit)."""
+    try:
+        _pool().submit(_send_or_hand_over, directive_id, document)
+    except RuntimeError:  # the interpreter is shutting down: the task sends it instead
+        _hand_over(directive_id)
+
+
+def _pool() -> ThreadPoolExecutor:
+    # One pool per process: a pool made before a fork (gunicorn, Celery) has no threads after.
+    global _senders, _senders_pid
+    with _senders_lock:
+        if _senders is None or _senders_pid != os.getpid():
+            _senders = ThreadPoolExecutor(
+                max_workers=settings.KVSP_DIRECTIVE_SENDERS, thread_name_prefix="kvsp-directive"
+            )
+            _senders_pid = os.getpid()
+        return _senders
+
+
+def _client() -> httpx.Client:
+    # One client per sender thread, kept: connections to instances stay open between sends.
+    client = getattr(_clients, "client", None)
+    if client is None:
+        timeout = httpx.Timeout(
+            settings.KVSP_DIRECTIVE_SEND_TIMEOUT_S,
+            connect=min(settings.KVSP_DIRECTIVE_SEND_TIMEOUT_S, 2.0),
+        )
+        client = _clients.client = peer_client(timeout=timeout)
+    return client
+
+
+def _send_or_hand_over(directive_id: int, document: dict) -> None:
+    try:
+        outcome = deliver(directive_id, client=_client(), document=document)
+        log.info("directive %s: %s at once", directive_id, outcome)
+    except PeerUnreachable as error:
+        log.info("directive %s not delivered at once (%s): the task retries", directive_id, error)
+        _hand_over(directive_id)
+    except Exception:
+        log.exception("directive %s not delivered at once: the task retries", directive_id)
+        _hand_over(directive_id)
+    finally:
+        connections.close_all()  # this thread's own connections
+
+
+def _hand_over(directive_id: int) -> None:
+    from placement.tasks import send_directive
+
+    enqueue(send_directive, directive_id)
