@@ -58,6 +58,13 @@ _HELD_BLOCK = (
 
 
 def held_block(name: str, compat_id: bytes, scope_id: bytes, block_key: bytes):
+    if connection.vendor != "postgresql":
+        # SQLite hands raw cursors text and naive datetimes: only the ORM converts them.
+        return (
+            held_blocks(name)
+            .filter(compat_id=compat_id, scope_id=scope_id, block_key=block_key)
+            .first()
+        )
     with connection.cursor() as cursor:
         cursor.execute(_HELD_BLOCK, [name, compat_id, scope_id, block_key])
         row = cursor.fetchone()
@@ -79,8 +86,10 @@ def touch(block: StoredBlock, now: datetime | None = None) -> None:
     crash only makes the LRU order a little older."""
     now = now or timezone.now()
     if now - block.last_access >= ACCESS_RESOLUTION:
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute("SET LOCAL synchronous_commit TO OFF")
+        with transaction.atomic():
+            if connection.vendor == "postgresql":
+                with connection.cursor() as cursor:
+                    cursor.execute("SET LOCAL synchronous_commit TO OFF")
             StoredBlock.objects.filter(pk=block.pk).update(last_access=now)
 
 
