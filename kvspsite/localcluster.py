@@ -653,7 +653,8 @@ class LocalCluster:
         if self.processes:
             alive = [process for process in self.processes if process.alive()]
             if alive:
-                self.console.print(
+                # On stderr: stdout ends with the summary (``--json`` prints it last).
+                Console(stderr=True).print(
                     f"stopping {len(alive)} processes: {', '.join(p.name for p in alive)}"
                 )
             stop_all(alive, grace=STOP_GRACE_S)
