@@ -37,6 +37,8 @@ class AuthenticatedPrincipal:
     instance: str
     controller: bool
     scope_ids: frozenset[bytes]
+    # A delegated token's expiry (ms since the Unix epoch); None for a principal's own token.
+    expires_ms: int | None = None
 
     # DRF's IsAuthenticated asks the authenticated object this.
     @property

@@ -1,7 +1,7 @@
 """The JSON records of KVSP: spec 4.4 (Replica Record, Instance Status Record, Session
 Checkpoint), 6.2 (lookup request), 6.4 (placement request), 6.5 (prefetch directive and its
 state), 6.6 (leases) and 6.9 (shard map and reshard messages), in the shapes DESIGN.md section 3
-fixes where the spec leaves them open.
+fixes where the spec leaves them open; and the delegated token messages of DESIGN.md section 6.
 
 Every record is a frozen dataclass validated at construction. ``Record.from_json(obj)`` turns a
 decoded JSON value into a record: it bounds every array by ``Limits`` before it does per-entry
@@ -1429,6 +1429,138 @@ class LeaseGrant(Record):
             "block_keys": list(self.block_keys),
             "ttl_ms": self.ttl_ms,
             "expires_ms": self.expires_ms,
+        }
+
+
+# --- Delegated tokens (DESIGN.md section 6) ---------------------------------------------------
+
+# A bearer token is at most this long (a delegated token carries its audience URL).
+MAX_BEARER_TOKEN_LENGTH = 4096
+
+
+def _check_token(value: object, path: Path) -> None:
+    if not (isinstance(value, str) and value and value.isascii()):
+        _fail(path, "must be a non-empty ASCII string")
+    if len(value) > MAX_BEARER_TOKEN_LENGTH or any(ch <= " " or ch == "\x7f" for ch in value):
+        _fail(path, f"must be at most {MAX_BEARER_TOKEN_LENGTH} characters, none of them spaces")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRequest(Record):
+    """POST {cp}tokens: a delegated token for one scope at one holder (``audience``, the
+    holder's base URL); ``ttl_ms`` absent asks for the longest life the control plane grants."""
+
+    NAME: ClassVar[str] = "token request"
+
+    scope_id: str
+    audience: str
+    ttl_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_base_url(self.audience, ("audience",))
+        if self.ttl_ms is not None:
+            _check_int(self.ttl_ms, ("ttl_ms",), 1)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            scope_id=_required(obj, "scope_id"),
+            audience=_required(obj, "audience"),
+            ttl_ms=_optional(obj, "ttl_ms"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"scope_id": self.scope_id, "audience": self.audience}
+        if self.ttl_ms is not None:
+            out["ttl_ms"] = self.ttl_ms
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGrant(Record):
+    """The answer to a token request: the token, its expiry (RFC 3339, UTC, by the control
+    plane's clock, for display) and ``ttl_ms``, the life granted, by which a client times it."""
+
+    NAME: ClassVar[str] = "token grant"
+
+    token: str
+    expires_at: str
+    ttl_ms: int
+
+    def __post_init__(self) -> None:
+        _check_token(self.token, ("token",))
+        _check_text(self.expires_at, ("expires_at",), 64)
+        _check_int(self.ttl_ms, ("ttl_ms",), 1)
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            token=_required(obj, "token"),
+            expires_at=_required(obj, "expires_at"),
+            ttl_ms=_required(obj, "ttl_ms"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token, "expires_at": self.expires_at, "ttl_ms": self.ttl_ms}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenIntrospectionRequest(Record):
+    """POST {cp}tokens/introspect (RFC 7662 in shape): the token a holder was presented."""
+
+    NAME: ClassVar[str] = "introspection request"
+
+    token: str
+
+    def __post_init__(self) -> None:
+        _check_token(self.token, ("token",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(token=_required(obj, "token"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenIntrospection(Record):
+    """What the control plane says of a token: ``{"active": false}`` for anything that is not a
+    valid delegated token for the asker; else its scope, its audience and ``exp`` (seconds
+    since the Unix epoch, RFC 7519 NumericDate), until which the answer may be cached."""
+
+    NAME: ClassVar[str] = "introspection"
+
+    active: bool
+    scope_id: str | None = None
+    audience: str | None = None
+    exp: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_bool(self.active, ("active",))
+        if self.active:
+            _check_hex(self.scope_id, ("scope_id",), 16)
+            _check_base_url(self.audience, ("audience",))
+            _check_int(self.exp, ("exp",))
+
+    @classmethod
+    def _from_members(cls, obj: dict, limits: Limits) -> Self:
+        return cls(
+            active=_required(obj, "active"),
+            scope_id=_optional(obj, "scope_id"),
+            audience=_optional(obj, "audience"),
+            exp=_optional(obj, "exp"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.active:
+            return {"active": False}
+        return {
+            "active": True,
+            "scope_id": self.scope_id,
+            "audience": self.audience,
+            "exp": self.exp,
         }
 
 

@@ -1,5 +1,9 @@
 """The connector's HTTP client: the control plane's scope key and lookup, blocks at holders.
 
+The configured token goes to the control plane alone; a holder is presented a delegated token
+for the one scope and that holder (DESIGN.md section 6), from ``POST CP tokens`` once per token
+lifetime.
+
 ``kvsp/`` opens no sockets, so the connector brings its own client (httpx); what it checks
 comes from ``kvsp/``: Block Keys, Replica Records, the container stream reader that verifies
 each layer against the record the moment it arrives, Repr-Digest and the replica digest.
@@ -21,8 +25,9 @@ from kvsp.container import (
     store_headers,
     verify_replica_digest,
 )
+from kvsp.delegation import DelegatedTokenCache
 from kvsp.problems import ProtocolError
-from kvsp.records import LookupRequest, ReplicaRecord
+from kvsp.records import LookupRequest, ReplicaRecord, TokenGrant, TokenRequest
 from kvsp.reprdigest import ALGORITHM, ReprDigestHasher, parse_repr_digest, verify_repr_digest
 
 # Octets read from a socket at a time.
@@ -52,6 +57,7 @@ class KvspClient:
         self.control_url = control_url
         self._token = token
         self._http = httpx.Client(timeout=timeout_s)
+        self._delegated = DelegatedTokenCache(self._issue_token, time.monotonic)
 
     def close(self) -> None:
         self._http.close()
@@ -59,18 +65,22 @@ class KvspClient:
     def _control_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
 
-    def token_for(self, holder: str) -> str:
-        """The bearer token to present to ``holder``.
+    def token_for(self, holder: str, scope_id: str) -> str:
+        """The bearer token to present to ``holder`` for blocks of ``scope_id``: a delegated
+        token with the holder as audience (DESIGN.md section 6), the local node's included,
+        asked for once per lifetime. PeerError when the control plane gives none."""
+        return self._delegated.token(scope_id, holder)
 
-        DESIGN.md section 6 asks for a delegated token (``POST CP tokens`` with the holder as
-        audience) towards every holder other than the local node; until the control plane
-        issues them the configured token is presented everywhere. This is the one place that
-        choice is made.
-        """
-        return self._token
+    def _issue_token(self, scope_id: str, audience: str) -> TokenGrant:
+        request = TokenRequest(scope_id=scope_id, audience=audience)
+        body = self._json("POST", "tokens", "a delegated token", json=request.to_json())
+        try:
+            return TokenGrant.from_json(body)
+        except ProtocolError as error:
+            raise PeerError(f"the token answer: {error.detail}") from None
 
-    def _holder_headers(self, holder: str, extra: dict[str, str]) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token_for(holder)}", **extra}
+    def _holder_headers(self, holder: str, scope_id: str, extra: dict[str, str]) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token_for(holder, scope_id)}", **extra}
 
     def _json(self, method: str, path: str, what: str, **kwargs) -> dict:
         url = f"{self.control_url}{path}"
@@ -151,7 +161,7 @@ class KvspClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PeerError(f"{what}: the load deadline passed")
-            headers = self._holder_headers(record.holder, {"Accept": MEDIA_TYPE})
+            headers = self._holder_headers(record.holder, record.scope_id, {"Accept": MEDIA_TYPE})
             with self._http.stream("GET", url, headers=headers, timeout=remaining) as response:
                 if response.status_code != 200:
                     raise PeerError(f"{what} answered {response.status_code}")
@@ -197,7 +207,7 @@ class KvspClient:
         hasher = ReprDigestHasher()
         for part in encoded.parts:
             hasher.update(part)
-        headers = self._holder_headers(holder, store_headers(hasher.digest()))
+        headers = self._holder_headers(holder, scope_id, store_headers(hasher.digest()))
         try:
             response = self._http.put(url, content=encoded.tobytes(), headers=headers)
         except httpx.HTTPError as error:

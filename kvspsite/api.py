@@ -171,12 +171,16 @@ class BearerTokenAuthentication(BaseAuthentication):
             token = parts[1].decode("ascii")
         except UnicodeDecodeError as exc:
             raise exceptions.AuthenticationFailed("the bearer token is not ASCII") from exc
-        from index.auth import principal_for_token
-
-        principal = principal_for_token(token)
+        principal = self.principal_for(token)
         if principal is None:
             raise exceptions.AuthenticationFailed("the bearer token is not valid")
         return principal, token
+
+    def principal_for(self, token: str):
+        """The principal a token stands for, or None: a principal's own token only."""
+        from index.auth import principal_for_token
+
+        return principal_for_token(token)
 
     def authenticate_header(self, request):
         return 'Bearer realm="kvsp"'
@@ -203,12 +207,30 @@ class CachedBearerTokenAuthentication(BearerTokenAuthentication):
             return known[1]
         found = super().authenticate(request)
         period = settings.KVSP_AUTH_CACHE_S
+        if found is not None and found[0].expires_ms is not None:
+            # A delegated token is never taken past its expiry.
+            period = min(period, found[0].expires_ms / 1000 - time.time())
         if found is not None and period > 0:
             with self._lock:
                 if len(self._verified) >= _MAX_VERIFIED:
                     self._verified.clear()  # bounded memory under a flood of tokens
                 self._verified[key] = (now + period, found)
         return found
+
+
+class HolderAuthentication(CachedBearerTokenAuthentication):
+    """What a holder's blocks and leases accept: a principal's own token, or a delegated token
+    (DESIGN.md section 6) whose audience is this holder (KVSP_PUBLIC_URL); every other route
+    of either role takes a principal's own token alone."""
+
+    def principal_for(self, token: str):
+        from kvsp.delegation import is_delegated
+
+        if is_delegated(token):
+            from index.delegation import principal_for_delegated_token
+
+            return principal_for_delegated_token(token, settings.KVSP_PUBLIC_URL)
+        return super().principal_for(token)
 
 
 # Tokens remembered by CachedBearerTokenAuthentication at most, per process.

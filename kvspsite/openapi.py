@@ -226,6 +226,32 @@ SCHEMAS = {
         {"scope_id": _hex(16), "name": {"type": "string"}, "scope_key": {"type": "string"}},
         ["scope_id", "name", "scope_key"],
     ),
+    # Delegated tokens (DESIGN.md section 6). The audience is a holder's base URL; the core
+    # holds it to the base URL rules (kvsp.records), which a pattern states only in part.
+    "TokenRequest": _object(
+        {
+            "scope_id": _hex(16),
+            "audience": {"type": "string", "pattern": "^https?://", "maxLength": 2048},
+            "ttl_ms": _POSITIVE,
+        },
+        ["scope_id", "audience"],
+    ),
+    "TokenGrant": _object(
+        {"token": {"type": "string"}, "expires_at": {"type": "string"}, "ttl_ms": _POSITIVE},
+        ["token", "expires_at", "ttl_ms"],
+    ),
+    "TokenIntrospectionRequest": _object(
+        {"token": {"type": "string", "minLength": 1, "maxLength": 4096}}, ["token"]
+    ),
+    "TokenIntrospection": _object(
+        {
+            "active": {"type": "boolean"},
+            "scope_id": _hex(16),
+            "audience": {"type": "string"},
+            "exp": _INT,
+        },
+        ["active"],
+    ),
     "InstanceStatusRecord": _object(
         {
             "instance": _URL,
@@ -661,6 +687,14 @@ OPERATIONS = {
     ),
     ("/kvsp/lookup", "post"): ("LookupRequest", {200: "LookupAnswer", 413: "Problem"}),
     ("/kvsp/scopes/{scope_id}/key", "get"): (None, {200: "ScopeKey", 404: "Problem"}),
+    ("/kvsp/tokens", "post"): (
+        "TokenRequest",
+        {200: "TokenGrant", 403: "Problem", 404: "Problem", 422: "Problem"},
+    ),
+    ("/kvsp/tokens/introspect", "post"): (
+        "TokenIntrospectionRequest",
+        {200: "TokenIntrospection", 403: "Problem", 422: "Problem"},
+    ),
     ("/kvsp/instances/", "get"): (None, {200: "Instances"}),
     ("/kvsp/instances/{name}", "get"): (None, {200: "Instance", 404: "Problem"}),
     ("/kvsp/instances/{name}/status", "put"): (

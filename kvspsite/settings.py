@@ -226,6 +226,10 @@ KVSP_RATE_LIMIT_BURST = _int_setting("KVSP_RATE_LIMIT_BURST", 4000)
 # How long a node's block and lease requests take a verified bearer token as it was: a revoked
 # token may serve them for this long in each process (0: verified on every request).
 KVSP_AUTH_CACHE_S = _float_setting("KVSP_AUTH_CACHE_S", 2.0)
+# The longest life of a delegated token (POST CP tokens, DESIGN.md section 6).
+KVSP_DELEGATED_TTL_MS = _int_setting("KVSP_DELEGATED_TTL_MS", 60_000)
+if KVSP_DELEGATED_TTL_MS < 1:
+    raise ImproperlyConfigured("KVSP_DELEGATED_TTL_MS must be at least 1")
 KVSP_MAX_LOOKUP_KEYS = _int_setting("KVSP_MAX_LOOKUP_KEYS", 65_536)
 KVSP_MAX_BATCH_RECORDS = _int_setting("KVSP_MAX_BATCH_RECORDS", 4096)
 KVSP_MAX_BLOCK_OCTETS = _int_setting("KVSP_MAX_BLOCK_OCTETS", 1024**3)

@@ -2,7 +2,9 @@
 section 3), with the node's token: publish and withdraw Replica Records (6.1; many at once
 through the batch form where the control plane has it), read the records of blocks it is about
 to fetch (6.2), read Compatibility Descriptors (4.1), report its status (6.3), read scope keys
-(4.2), and publish the checkpoints and output tokens of the sessions it serves (6.8).
+(4.2), publish the checkpoints and output tokens of the sessions it serves (6.8), and obtain the
+delegated tokens it presents to other holders (DESIGN.md section 6): the node's own token goes
+to the control plane alone.
 """
 
 from __future__ import annotations
@@ -20,24 +22,42 @@ import orjson
 from django.conf import settings
 
 from kvsp.blockkeys import scope_id as scope_id_of
+from kvsp.delegation import DelegatedTokenCache
 from kvsp.problems import ProtocolError, problem_name
-from kvsp.records import InstanceStatusRecord, ReplicaRecord, SessionCheckpoint
+from kvsp.records import (
+    InstanceStatusRecord,
+    ReplicaRecord,
+    SessionCheckpoint,
+    TokenGrant,
+    TokenRequest,
+)
 from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 
 CONTROL_TIMEOUT = httpx.Timeout(10.0, connect=2.0)
 
-_clients: dict[int, httpx.Client] = {}
+_clients: dict[tuple[int, str], httpx.Client] = {}
 _clients_lock = threading.Lock()
 
 
 def client() -> httpx.Client:
-    """One pooled client per process: keep-alive connections to the control plane and peers
-    (a forked process gets its own)."""
-    pid = os.getpid()
+    """One pooled client per process for the control plane, with the node's token: keep-alive
+    connections (a forked process gets its own)."""
+    return _pooled("control", token=None)
+
+
+def holder_client() -> httpx.Client:
+    """One pooled client per process for other holders. It carries no token of its own: each
+    request carries the delegated token for its scope and holder (``delegated_token``)."""
+    return _pooled("holders", token="")
+
+
+def _pooled(purpose: str, *, token: str | None) -> httpx.Client:
+    # token None: the node's KVSP_TOKEN; "" none at all.
+    key = (os.getpid(), purpose)
     with _clients_lock:
-        existing = _clients.get(pid)
+        existing = _clients.get(key)
         if existing is None:
-            existing = _clients[pid] = peer_client(timeout=CONTROL_TIMEOUT)
+            existing = _clients[key] = peer_client(token=token, timeout=CONTROL_TIMEOUT)
         return existing
 
 
@@ -376,3 +396,27 @@ def delivered_indices(session: str) -> set[int]:
     """The output indices the front end holds for the session (6.8)."""
     response = raise_for_problem(call(client(), "GET", f"{_base()}sessions/{session}/output"))
     return {int(token["index"]) for token in response.json().get("tokens", [])}
+
+
+def _issue_delegated_token(scope_id: str, audience: str) -> TokenGrant:
+    body = TokenRequest(scope_id=scope_id, audience=audience).to_json()
+    response = raise_for_problem(call(client(), "POST", f"{_base()}tokens", json=body))
+    try:
+        return TokenGrant.from_json(response.json())
+    except ValueError:
+        raise ProtocolError("kvsp-upstream-error", "the token answer is not JSON") from None
+
+
+_delegated_tokens = DelegatedTokenCache(_issue_delegated_token, time.monotonic)
+
+
+def delegated_token(scope_id: bytes, holder: str) -> str:
+    """The delegated token to present to ``holder`` for blocks and leases of ``scope_id``
+    (DESIGN.md section 6): from ``POST CP tokens`` once per token lifetime, then from memory.
+    PeerUnreachable or ProtocolError when the control plane gives none."""
+    return _delegated_tokens.token(scope_id.hex(), holder)
+
+
+def forget_delegated_token(scope_id: bytes, holder: str) -> None:
+    """``holder`` refused the token (the control plane's key changed, say): ask anew next."""
+    _delegated_tokens.forget(scope_id.hex(), holder)

@@ -84,6 +84,14 @@ def _problem(response: httpx.Response, what: str) -> ProtocolError:
     return ProtocolError(name, f"{what}: {response.status_code} {detail}")
 
 
+def _bearer(token: str | None, headers: dict | None = None) -> dict:
+    """``headers`` with ``Authorization: Bearer token``; a token of None leaves the client's."""
+    headers = dict(headers or {})
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
 def _transport(exc: httpx.HTTPError, what: str, deadline: float | None) -> Exception:
     if deadline is not None and time.monotonic() >= deadline:
         return DeadlineExpired("the deadline passed")
@@ -102,14 +110,19 @@ def take_lease(
     holder: str,
     request: LeaseRequest,
     *,
+    token: str | None = None,
     deadline: float | None = None,
 ) -> Lease:
-    """POST leases at ``holder`` (6.6); SourceMiss when it does not hold every block."""
+    """POST leases at ``holder`` (6.6); SourceMiss when it does not hold every block.
+    ``token``, when given, is the bearer token presented (here and in the calls below)."""
     what = f"lease at {holder}"
     started = time.perf_counter()
     try:
         response = client.post(
-            f"{holder}leases", json=request.to_json(), timeout=_timeout(deadline, 10.0)
+            f"{holder}leases",
+            json=request.to_json(),
+            headers=_bearer(token),
+            timeout=_timeout(deadline, 10.0),
         )
     except httpx.HTTPError as exc:
         raise _transport(exc, what, deadline) from exc
@@ -119,10 +132,12 @@ def take_lease(
     return Lease(holder, LeaseGrant.from_json(response.json()), elapsed)
 
 
-def release_lease(client: httpx.Client, lease: Lease) -> None:
+def release_lease(client: httpx.Client, lease: Lease, *, token: str | None = None) -> None:
     """DELETE the lease; a lease the holder has already let go of is fine."""
     try:
-        client.delete(f"{lease.holder}leases/{lease.grant.lease}", timeout=5.0)
+        client.delete(
+            f"{lease.holder}leases/{lease.grant.lease}", headers=_bearer(token), timeout=5.0
+        )
     except httpx.HTTPError:
         pass  # it expires on its own after its TTL
 
@@ -181,6 +196,7 @@ def fetch_block(
     expected: ReplicaRecord,
     *,
     max_size: int,
+    token: str | None = None,
     deadline: float | None = None,
 ) -> FetchedBlock:
     """GET the whole block from ``holder`` and verify it against ``expected``, the holder's
@@ -198,7 +214,7 @@ def fetch_block(
     hasher: _ReprHasher | None = None
     try:
         with client.stream(
-            "GET", url, headers={"Accept": KVSP_BLOCK}, timeout=_timeout(deadline)
+            "GET", url, headers=_bearer(token, {"Accept": KVSP_BLOCK}), timeout=_timeout(deadline)
         ) as response:
             first_byte_s = time.perf_counter() - started
             if response.status_code != 200:
@@ -270,6 +286,8 @@ def store_block(
     ids: tuple[bytes, bytes, bytes],
     octets: bytes,
     sha256: bytes,
+    *,
+    token: str | None = None,
 ) -> bool:
     """PUT the container ``octets`` on the block resource at ``holder`` with If-None-Match: *
     (6.7). True when the holder stored it, False when it already had a replica (412: the key
@@ -280,7 +298,7 @@ def store_block(
         response = client.put(
             url,
             content=octets,
-            headers=store_headers(sha256),
+            headers=_bearer(token, store_headers(sha256)),
             timeout=30.0,
         )
     except httpx.HTTPError as exc:

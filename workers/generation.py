@@ -678,9 +678,10 @@ def copy_to_session_holders(ids, encoded) -> bool:
     copied = False
     for holder in holders:
         try:
-            fetch.store_block(control.client(), holder, ids, octets, sha256)
+            token = control.delegated_token(ids[1], holder)
+            fetch.store_block(control.holder_client(), holder, ids, octets, sha256, token=token)
             copied = True
-        except (ProtocolError, fetch.DeadlineExpired) as error:
+        except (ProtocolError, PeerUnreachable, fetch.DeadlineExpired) as error:
             log.warning("block %s not copied to %s: %s", ids[2].hex(), holder, error)
     return copied
 

@@ -6,7 +6,9 @@ Per block, in the order given, at the first listed source that can serve it: hol
 retrieve the block in ascending layer order and verify it against that source's Replica Record
 from the Index Service (Repr-Digest, each layer digest, the replica digest), write it to a spool
 file in the host tier, and hand it on. A 404 at a source is a miss; a block that fails at one
-source is tried at the next; nothing of a refused block is kept.
+source is tried at the next; nothing of a refused block is kept. What a source is sent carries a
+delegated token for the directive's scope at that source (DESIGN.md section 6), never the node's
+own token: a source that is not what it claims learns nothing it could use elsewhere.
 
 The protocol's work is batched, so that the cost per block approaches that of moving and
 verifying its octets:
@@ -151,7 +153,9 @@ class Loader:
         work = iter(self.wanted)
         work_lock = threading.Lock()
         count = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(self.wanted)))
-        with peer_client() as client:
+        # No token of the node's own: each request to a source carries the delegated token for
+        # the scope and that source (DESIGN.md section 6), which grants nothing beyond them.
+        with peer_client(token="") as client:
             threads = [
                 threading.Thread(
                     target=self._fetcher,
@@ -170,9 +174,9 @@ class Loader:
                 self._discard_arrivals()
                 for thread in threads:
                     thread.join()
-                for lease in self._leases.values():
+                for source, lease in self._leases.items():
                     if lease is not None:
-                        fetch.release_lease(client, lease)
+                        self._release(client, source, lease)
         self.links.record(self.instance)
         return self
 
@@ -301,6 +305,20 @@ class Loader:
             return
         self._fail(Failure(item.index, item.block_key, reasons))
 
+    def _token(self, source: str) -> str:
+        """The delegated token for this scope at ``source``; _Refused when there is none."""
+        try:
+            return control.delegated_token(self.scope_id, source)
+        except (PeerUnreachable, ProtocolError) as exc:
+            raise _Refused(f"the control plane gave no token for it ({exc})") from exc
+
+    def _release(self, client, source: str, lease: fetch.Lease) -> None:
+        try:
+            token = self._token(source)
+        except _Refused:
+            return  # the lease expires on its own after its TTL
+        fetch.release_lease(client, lease, token=token)
+
     def _record_at(self, block_key: str, source: str) -> ReplicaRecord | None:
         records = self._expected.get(block_key)
         if records is None or source not in records:
@@ -330,14 +348,14 @@ class Loader:
                 )
                 try:
                     self._leases[source] = fetch.take_lease(
-                        client, source, request, deadline=self.deadline
+                        client, source, request, token=self._token(source), deadline=self.deadline
                     )
-                except ProtocolError as exc:
+                except (ProtocolError, _Refused) as exc:
                     log.info(
                         "%s: lease at %s refused (%s): block by block",
                         self.label,
                         source,
-                        exc.detail,
+                        exc,
                     )
                     self._leases[source] = None
             return self._leases[source]
@@ -352,6 +370,7 @@ class Loader:
         if record is None:
             raise _Refused("the Index Service lists no replica there")
         ahead = self._lease_at(client, source)
+        token = self._token(source)
         lease = None
         try:
             if ahead is None or block_key not in ahead.grant.block_keys:
@@ -361,12 +380,15 @@ class Loader:
                     block_keys=(block_key,),
                     ttl_ms=self.lease_ms,
                 )
-                lease = fetch.take_lease(client, source, request, deadline=self.deadline)
+                lease = fetch.take_lease(
+                    client, source, request, token=token, deadline=self.deadline
+                )
             fetched = fetch.fetch_block(
                 client,
                 source,
                 record,
                 max_size=settings.KVSP_MAX_BLOCK_OCTETS,
+                token=token,
                 deadline=self.deadline,
             )
             if self.check is not None:
@@ -379,10 +401,12 @@ class Loader:
             log.warning(
                 "%s: block %s from %s refused: %s", self.label, block_key, source, exc.detail
             )
+            if exc.problem == "kvsp-unauthenticated":
+                control.forget_delegated_token(self.scope_id, source)
             raise _Refused(exc.detail) from exc
         finally:
             if lease is not None:
-                fetch.release_lease(client, lease)
+                fetch.release_lease(client, lease, token=token)
         fields = services.BlockFields(
             codec=fetched.container.codec,
             size=fetched.size,

@@ -932,7 +932,9 @@ def _owned_lease(principal, lease_id: str, now: datetime) -> Lease:
         .filter(lease=lease_id, instance=selectors.node_name(), principal_id=principal.id)
         .first()
     )
-    if lease is None or lease.expires_at <= now:
+    # A delegated token carries one scope: another scope's leases of its principal are not
+    # its to renew or release.
+    if lease is None or lease.expires_at <= now or not may_read_scope(principal, lease.scope_id):
         raise ProtocolError("kvsp-not-found", "no such lease (it may have expired)")
     return lease
 

@@ -18,4 +18,6 @@ urlpatterns = [
     path("lookup", views.LookupView.as_view(), name="lookup"),
     path("compat/<hex32:compat_id>", views.CompatView.as_view(), name="compat"),
     path("scopes/<hex16:scope_id>/key", views.ScopeKeyView.as_view(), name="scope-key"),
+    path("tokens", views.TokenView.as_view(), name="tokens"),
+    path("tokens/introspect", views.TokenIntrospectionView.as_view(), name="token-introspection"),
 ]

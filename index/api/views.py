@@ -8,10 +8,15 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from index import selectors, services
+from index import delegation, selectors, services
 from index.scopekeys import open_scope_key
 from kvsp.problems import ProtocolError
-from kvsp.records import LookupRequest, ReplicaRecord
+from kvsp.records import (
+    LookupRequest,
+    ReplicaRecord,
+    TokenIntrospectionRequest,
+    TokenRequest,
+)
 
 
 def _require_object(data) -> dict:
@@ -137,3 +142,25 @@ class ScopeKeyView(APIView):
             {"scope_id": scope_id.hex(), "name": scope.name, "scope_key": key.hex()},
             headers={"Cache-Control": "no-store"},
         )
+
+
+# A token answer is never stored by a cache on the way (as RFC 6749 5.1 asks of token answers).
+_NO_STORE = {"Cache-Control": "no-store"}
+
+
+class TokenView(APIView):
+    """POST tokens (DESIGN.md section 6): a delegated token for one scope at one holder."""
+
+    def post(self, request):
+        grant = delegation.do_issue_token(request.user, TokenRequest.from_json(request.data))
+        return Response(grant.to_json(), headers=_NO_STORE)
+
+
+class TokenIntrospectionView(APIView):
+    """POST tokens/introspect (DESIGN.md section 6, RFC 7662 in shape), for holders and the
+    Placement Controller."""
+
+    def post(self, request):
+        asked = TokenIntrospectionRequest.from_json(request.data)
+        answer = delegation.introspect(request.user, asked.token)
+        return Response(answer.to_json(), headers=_NO_STORE)

@@ -58,7 +58,11 @@ def test_every_route_refuses_anonymous_and_bad_tokens(urlconf):
             for method in ("get", "put", "post", "delete"):
                 if not hasattr(view, method):
                     continue
-                for header in ({}, {"HTTP_AUTHORIZATION": "Bearer kvsp_forged"}):
+                for header in (
+                    {},
+                    {"HTTP_AUTHORIZATION": "Bearer kvsp_forged"},
+                    {"HTTP_AUTHORIZATION": "Bearer kvspd_forged"},
+                ):
                     response = getattr(client, method)(path, **header)
                     assert response.status_code == 401, (method, path, response.content)
                     assert problem_name(response) == "kvsp-unauthenticated"

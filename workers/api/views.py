@@ -4,7 +4,8 @@ implementation's own generation request. Views validate and translate HTTP; the 
 work.
 
 Who may call what: blocks and leases need a principal authorized for the scope (a controller
-principal reads every scope), and a scope the caller may not read answers exactly like a miss;
+principal reads every scope), or a delegated token of the scope meant for this holder (DESIGN.md
+section 6), and a scope the caller may not read answers exactly like a miss;
 prefetch, state, resume and reshard are the Placement Controller's alone; generate is the
 controller's or a principal's of the prompt's scope.
 """
@@ -31,7 +32,7 @@ from kvsp.records import (
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
 from kvspsite.api import (
     KVSP_BLOCK,
-    CachedBearerTokenAuthentication,
+    HolderAuthentication,
     KvspBlockParser,
     KvspBlockRenderer,
     KvspJSONRenderer,
@@ -89,7 +90,7 @@ class BlockView(APIView):
     """One block resource (6.7): GET a container or a layer range of it, PUT to store one."""
 
     parser_classes = [KvspBlockParser]
-    authentication_classes = [CachedBearerTokenAuthentication]
+    authentication_classes = [HolderAuthentication]
 
     def get_renderers(self):
         if self.request is not None and self.request.method in ("GET", "HEAD"):
@@ -181,7 +182,7 @@ class BlockView(APIView):
 class LeaseListView(APIView):
     """POST leases (6.6)."""
 
-    authentication_classes = [CachedBearerTokenAuthentication]
+    authentication_classes = [HolderAuthentication]
 
     def post(self, request):
         grant = services.do_create_lease(request.user, LeaseRequest.from_json(request.data))
@@ -195,7 +196,7 @@ class LeaseListView(APIView):
 class LeaseView(APIView):
     """Renew (PUT) or release (DELETE) a lease (6.6); only its holder's principal may."""
 
-    authentication_classes = [CachedBearerTokenAuthentication]
+    authentication_classes = [HolderAuthentication]
 
     def put(self, request, lease: str):
         grant = services.do_renew_lease(request.user, lease, LeaseRenewal.from_json(request.data))
