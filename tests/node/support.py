@@ -101,6 +101,8 @@ class StandinHolder:
     over that many seconds; ``served[key]`` replaces the octets sent (with a Repr-Digest of
     what is sent), to inject a block whose layers differ from its record. ``pace_mbit_per_s``
     makes the holder a link of that rate: the bodies of all GETs together leave no faster.
+    ``received`` lists (method, path, Authorization field) of every request, in order: what a
+    client hands whatever it takes for a holder.
     """
 
     def __init__(self):
@@ -113,6 +115,7 @@ class StandinHolder:
         self._link_lock = threading.Lock()
         self.leases: list[dict] = []
         self.gets: list[str] = []
+        self.received: list[tuple[str, str, str | None]] = []
         holder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -120,6 +123,14 @@ class StandinHolder:
 
             def log_message(self, *args):
                 pass
+
+            def parse_request(self):
+                parsed = super().parse_request()
+                if parsed:
+                    holder.received.append(
+                        (self.command, self.path, self.headers.get("Authorization"))
+                    )
+                return parsed
 
             def _head(self, status: int, length: int, content_type: str, headers=()):
                 self.send_response(status)
