@@ -251,6 +251,9 @@ class SessionRun:
         # Completed blocks (index, key) waiting for a checkpoint that covers them.
         self.completed: list[tuple[int, bytes]] = []
         self.writer = BlockWriter(self)
+        # The prompt blocks computed here and the names checkpoints may use once they exist
+        # elsewhere: written to the node's own tiers right after the first token is posted.
+        self.unstored_prompt: tuple[list[tuple[int, bytes]], tuple] | None = None
         self.loaded_blocks = 0
         self.recomputed_tokens = 0
         self.first_token_at = None
@@ -281,6 +284,7 @@ class SessionRun:
             else:
                 self._begin_resume()
             self._decode()
+            self._store_prompt()  # a session that ended without posting a token
         except Superseded as stop:
             log.info("session %s epoch %d: superseded (%s)", self.session, self.epoch, stop)
             return served.SessionEvent.SUPERSEDE, str(stop)
@@ -333,9 +337,9 @@ class SessionRun:
         while named < len(keys) and keys[named] in prompt_served.held:
             named += 1
         self._name_prompt(keys[:named], prompt[named * block_tokens :])
-        self.writer.store_prompt(
+        self.unstored_prompt = (
             [(index, key) for index, key in enumerate(keys) if key not in prompt_served.held],
-            named=(keys, prompt[len(keys) * block_tokens :]),
+            (keys, prompt[len(keys) * block_tokens :]),
         )
         self.chain = blockkeys.BlockKeyChain(
             scope_key,
@@ -399,16 +403,17 @@ class SessionRun:
         # Under its new epoch the session is this instance's from the first checkpoint on.
         self._checkpoint()
         held_keys = {bytes(block.block_key) for block in held}
-        # Blocks of prompt_tail and of the covered tokens computed here: stored now, published
-        # off the token path; the prompt's among them are named once they exist elsewhere.
+        # Blocks of prompt_tail and of the covered tokens computed here: stored once the first
+        # token is out, published off the token path; the prompt's among them are named once
+        # they exist elsewhere.
         tail_blocks = len(checkpoint.prompt_tail) // block_tokens
-        self.writer.store_prompt(
+        self.unstored_prompt = (
             [
                 (index, keys[index])
                 for index in range(len(prompt_keys), self.sequence.complete_blocks)
                 if keys[index] not in held_keys
             ],
-            named=(
+            (
                 keys[: len(prompt_keys) + tail_blocks],
                 list(checkpoint.prompt_tail[tail_blocks * block_tokens :]),
             ),
@@ -546,7 +551,17 @@ class SessionRun:
         if self.first_token_at is None:
             self.first_token_at = timezone.now()
             self.timer.lap("first_post")
+            self._store_prompt()
             served.do_note_progress(self.row.pk, timings_us=self.timer.spent)
+
+    def _store_prompt(self) -> None:
+        """Write the prompt blocks computed here to the node's own tiers (their publication
+        and copies follow off the token path). It runs once the first token is out: exporting
+        and writing a long prompt's blocks would otherwise be part of its time to first token."""
+        if self.unstored_prompt is not None:
+            blocks, named = self.unstored_prompt
+            self.unstored_prompt = None
+            self.writer.store_prompt(blocks, named=named)
 
     def export(self, index: int, key: bytes) -> tuple:
         """Block ``index`` of the session's cache as a container, with its ids."""
