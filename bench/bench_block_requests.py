@@ -53,8 +53,11 @@ def main() -> None:
         KVSP_SHM_DIR=str(shm),
         KVSP_DISK_DIR=str(disk),
         KVSP_LOG_LEVEL="ERROR",
+        # No control plane runs: a node must name one, and publication to it fails fast
+        # (nothing listens on the discard port), off the request.
+        KVSP_CONTROL_URL="http://127.0.0.1:9/kvsp/",
+        KVSP_TOKEN="kvsp_bench",
     )
-    os.environ.pop("KVSP_CONTROL_URL", None)
     fresh_database(DB)
     try:
         run(repeats)

@@ -112,7 +112,7 @@ class BlockView(APIView):
     def get(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         layers = _layers(request.query_params.get("layers"))
         codec = _codec(request.query_params.get("codec"))
-        block = selectors.block_for_reader(request.user, compat_id, scope_id, block_key)
+        block = selectors.read_block(request.user, compat_id, scope_id, block_key)
         if block is None:
             raise ProtocolError("kvsp-not-found", selectors.MISS_DETAIL)
         if codec is not None and codec != block.codec:
@@ -125,7 +125,6 @@ class BlockView(APIView):
                 "kvsp-layers-unavailable",
                 f"this holder holds layers 0-{block.layer_count - 1} of the block",
             )
-        selectors.touch(block)
         return serving.block_response(block, layers)
 
     def put(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
