@@ -1,4 +1,4 @@
-"""Sending prefetch directives to instances (spec 6.5).
+"""Sending prefetch directives (spec 6.5), and other messages to instances, at once.
 
 A directive is a row first. The process that committed it POSTs it to the instance at once,
 from a small pool of threads of its own, so that loading starts without waiting for a queue and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -95,6 +96,25 @@ def send_soon(directive_id: int, document: dict) -> None:
         _pool().submit(_send_or_hand_over, directive_id, document)
     except RuntimeError:  # the interpreter is shutting down: the task sends it instead
         _hand_over(directive_id)
+
+
+def run_soon(work: Callable[[], object], hand_over: Callable[[], object], what: str) -> None:
+    """Run ``work`` (a message to an instance whose row has committed) on this process's
+    senders now; when it raises, or cannot start, ``hand_over`` gives it to its task."""
+
+    def attempt() -> None:
+        try:
+            log.info("%s: %s at once", what, work())
+        except Exception as error:
+            log.info("%s not done at once (%s): its task retries", what, error)
+            hand_over()
+        finally:
+            connections.close_all()  # this thread's own connections
+
+    try:
+        _pool().submit(attempt)
+    except RuntimeError:
+        hand_over()
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -29,7 +29,7 @@ from kvsp.records import SessionCheckpoint
 from kvsp.states import EpochRole, accept_epoch, next_session_epoch
 from kvsp.timeline import check_timings
 from kvspsite.celery import enqueue
-from placement import pricing
+from placement import delivery, pricing
 from placement.models import Instance, InstanceState
 from placement.selectors import candidates, matched_blocks
 from sessions.models import OutputToken, Session, SessionState
@@ -381,7 +381,7 @@ def do_fail_over_session(pk: int, *, failed_instance_id: int | None, now=None) -
         log.info("session %s: epoch %s, resuming on %s", session.session, session.epoch, instance)
         if instance is not None:
             epoch = session.epoch
-            transaction.on_commit(lambda: _send_resume_later(pk, epoch))
+            transaction.on_commit(lambda: _send_resume_now(pk, epoch))
     return True
 
 
@@ -402,6 +402,18 @@ def resume_body(session: Session) -> dict:
         "deadline_ms": settings.KVSP_PREFETCH_DEADLINE_MS,
         "lease_ms": settings.KVSP_PREFETCH_LEASE_MS,
     }
+
+
+def _send_resume_now(pk: int, epoch: int) -> None:
+    """Send a committed resume from this process's senders, without a hop through the control
+    queue; the task ``send_resume`` is the path that retries."""
+    from sessions.tasks import send_resume
+
+    delivery.run_soon(
+        lambda: send_resume(pk, epoch),
+        lambda: _send_resume_later(pk, epoch),
+        f"resume of session row {pk} under epoch {epoch}",
+    )
 
 
 def _send_resume_later(pk: int, epoch: int, *, countdown: float | None = None) -> None:

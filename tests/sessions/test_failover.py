@@ -191,9 +191,11 @@ def broker(log_dir):
 def test_a_resume_lost_with_the_broker_is_sent_by_the_sweep(
     cluster, role_env, start_process, broker
 ):
-    """The broker is down when a restart of instance a fails its session over to b: the report
-    is still answered, the resume is owed on the session's row, and once the broker is back
-    (empty) the sweep sends it; b accepts it and the session goes on to its end."""
+    """The broker is down when a restart of instance a fails its session over to b, and b
+    cannot take the resume yet (503): the resume goes to b at once all the same (it needs no
+    queue), the report is still answered, the resume stays owed on the session's row, and once
+    the broker is back (empty) the sweep sends it again; b accepts it and the session goes on
+    to its end."""
     cluster.publish(4)
     session = str(uuid.uuid4())
     controller = make_caller("pc", controller=True)
@@ -214,6 +216,8 @@ def test_a_resume_lost_with_the_broker_is_sent_by_the_sweep(
         )
 
         broker.stop()
+        unavailable = {"type": "about:blank", "title": "Service Unavailable", "status": 503}
+        b.answers[("POST", "/kvsp/sessions/")] = (503, unavailable)
         restarted = httpx.put(
             f"{server.url}/kvsp/instances/a/status",
             json=status_record(a.url, epoch=2, links=LINKS, ttl_ms=60_000),
@@ -223,10 +227,13 @@ def test_a_resume_lost_with_the_broker_is_sent_by_the_sweep(
         assert restarted.status_code == 200, restarted.text
         row = Session.objects.get()
         assert (row.state, row.instance.name, row.epoch) == ("resuming", "b", 2)
-        assert row.resume_sent_at is None and not b.received("POST", "/kvsp/sessions/")
+        b.wait_for("POST", f"/kvsp/sessions/{session}/resume", timeout=30)
+        wait_until(lambda: Session.objects.get().resume_attempts == 1, "the attempt counted", 30)
+        assert Session.objects.get().resume_sent_at is None
 
+        del b.answers[("POST", "/kvsp/sessions/")]
         broker.start()
-        (resume,) = b.wait_for("POST", f"/kvsp/sessions/{session}/resume", timeout=90)
+        resume = b.wait_for("POST", f"/kvsp/sessions/{session}/resume", count=2, timeout=90)[-1]
         wait_until(lambda: Session.objects.get().resume_sent_at is not None, "accepted", 30)
     assert resume["epoch"] == 2 and resume["checkpoint"]["output_offset"] == 3
     assert [block["block_key"] for block in resume["blocks"]] == cluster.keys
