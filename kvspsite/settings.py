@@ -223,6 +223,14 @@ KVSP_LEASE_MAX_TTL_MS = _int_setting("KVSP_LEASE_MAX_TTL_MS", 60_000)
 # Requests per second and burst per principal and serving process; 0 turns the limit off.
 KVSP_RATE_LIMIT_PER_S = _float_setting("KVSP_RATE_LIMIT_PER_S", 2000.0)
 KVSP_RATE_LIMIT_BURST = _int_setting("KVSP_RATE_LIMIT_BURST", 4000)
+# Refused bearer tokens per second and burst per client address and serving process: past them
+# an address's tokens are answered 429 before they are looked up, except tokens the process has
+# verified before (kvspsite/throttling.py); 0 turns the limit off.
+KVSP_AUTH_FAILURES_PER_S = _float_setting("KVSP_AUTH_FAILURES_PER_S", 5.0)
+KVSP_AUTH_FAILURES_BURST = _int_setting("KVSP_AUTH_FAILURES_BURST", 50)
+# Proxies in front of the servers whose X-Forwarded-For names the client (0: the field is
+# ignored and the client is the peer's address, so that a client cannot choose its own).
+KVSP_TRUSTED_PROXIES = _int_setting("KVSP_TRUSTED_PROXIES", 0)
 # How long a node's block and lease requests take a verified bearer token as it was: a revoked
 # token may serve them for this long in each process (0: verified on every request).
 KVSP_AUTH_CACHE_S = _float_setting("KVSP_AUTH_CACHE_S", 2.0)
@@ -409,6 +417,7 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["kvspsite.throttling.PrincipalRateThrottle"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
+    "NUM_PROXIES": KVSP_TRUSTED_PROXIES,
 }
 
 SPECTACULAR_SETTINGS = {
