@@ -336,17 +336,20 @@ if KVSP_ROLE == "node":
     ):
         if globals()[_name] < 1:
             raise ImproperlyConfigured(f"{_name} must be at least 1")
+    from kvsp.records import base_url_rule_broken
+
     for _value in KVSP_SESSION_HOLDERS:
-        if not _value.startswith(("http://", "https://")) or not _value.endswith("/"):
+        if (_broken := base_url_rule_broken(_value)) is not None:
             raise ImproperlyConfigured(
-                f"KVSP_SESSION_HOLDERS: {_value!r} is not an http(s) base URL ending with '/'"
+                f"KVSP_SESSION_HOLDERS: {_value!r} is not an http(s) base URL ending with '/': "
+                f"{_broken}"
             )
     for _name in ("KVSP_CONTROL_URL", "KVSP_PUBLIC_URL"):
         _value = globals()[_name]
-        if _value:
-            _url_setting(_name, _value, ("http", "https"))
-            if not _value.endswith("/"):
-                raise ImproperlyConfigured(f"{_name}={_value!r} must be a base URL ending with '/'")
+        if _value and (_broken := base_url_rule_broken(_value)) is not None:
+            raise ImproperlyConfigured(
+                f"{_name}={_value!r} must be an http(s) base URL ending with '/': {_broken}"
+            )
     # Without these a node would start and then refuse every store and report (6.3, 6.7).
     for _name in ("KVSP_INSTANCE", "KVSP_PUBLIC_URL", "KVSP_CONTROL_URL", "KVSP_TOKEN"):
         if not globals()[_name]:
