@@ -420,7 +420,6 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["kvspsite.throttling.PrincipalRateThrottle"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
-    "NUM_PROXIES": KVSP_TRUSTED_PROXIES,
 }
 
 SPECTACULAR_SETTINGS = {

@@ -69,10 +69,17 @@ class TokenBuckets:
 
 
 def client_address(request) -> str:
-    """The client's address: the peer's, or the one ``KVSP_TRUSTED_PROXIES`` proxies in front
-    of this server put in X-Forwarded-For (DRF's ``NUM_PROXIES``); the field is never taken
-    from a client that reached the server directly, which could write anything there."""
-    return BaseThrottle().get_ident(request)
+    """The client's address: the peer's, or the one that the ``KVSP_TRUSTED_PROXIES`` proxies
+    in front of this server put in X-Forwarded-For (as DRF's ``NUM_PROXIES`` reads it); the
+    field is never taken from a client that reached the server directly, which could write
+    anything there."""
+    meta = getattr(request, "_request", request).META  # DRF's Request wraps Django's
+    proxies = settings.KVSP_TRUSTED_PROXIES
+    forwarded = meta.get("HTTP_X_FORWARDED_FOR") if proxies else None
+    if forwarded:
+        addresses = forwarded.split(",")
+        return addresses[-min(proxies, len(addresses))].strip()
+    return meta.get("REMOTE_ADDR", "")
 
 
 class PrincipalRateThrottle(BaseThrottle):

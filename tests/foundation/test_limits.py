@@ -125,3 +125,18 @@ def test_a_revoked_token_counts_as_a_guess_once_refused(django_assert_num_querie
     assert [revoked.get("/kvsp/instances/").status_code for _ in range(2)] == [401, 401]
     with django_assert_num_queries(0):
         assert revoked.get("/kvsp/instances/").status_code == 429
+
+
+@override_settings(
+    KVSP_AUTH_FAILURES_PER_S=0.001, KVSP_AUTH_FAILURES_BURST=2, KVSP_TRUSTED_PROXIES=1
+)
+def test_behind_a_trusted_proxy_the_client_is_the_address_it_forwards():
+    guesser = Caller("guesser", "kvsp_guessed", Client(raise_request_exception=False))
+    # The proxy appends the address it saw; what the client wrote before it is not trusted.
+    via_proxy = {"HTTP_X_FORWARDED_FOR": "10.9.9.9, 203.0.113.5"}
+    assert [guesser.get("/kvsp/instances/", **via_proxy).status_code for _ in range(2)] == [401] * 2
+    assert guesser.get("/kvsp/instances/", **via_proxy).status_code == 429
+    # Another client that writes the guesser's address itself is told apart by what the proxy
+    # appended.
+    another = {"HTTP_X_FORWARDED_FOR": "203.0.113.5, 198.51.100.7"}
+    assert guesser.get("/kvsp/instances/", **another).status_code == 401
