@@ -17,6 +17,8 @@ from index import services
 from index.auth import new_token
 from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
 from kvsp.hexids import is_hex
+from kvsp.numerals import parse_decimal
+from kvsp.problems import ProtocolError
 
 
 def _hex_id_search(queryset, term: str, fields: dict[int, tuple[str, ...]]):
@@ -98,7 +100,10 @@ class TierFilter(admin.SimpleListFilter):
     def queryset(self, request, queryset):
         if not self.value():
             return queryset
-        bit = int(self.value())
+        try:
+            bit = parse_decimal(self.value(), "tier", minimum=1)
+        except ProtocolError:
+            return queryset.none()  # no tier has that number
         # Bit test portable to SQLite and Postgres: mask % (2 * bit) >= bit.
         from django.db.models import F
 

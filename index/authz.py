@@ -7,9 +7,8 @@ scope's data exactly what it would be told if the data did not exist.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from kvsp.problems import ProtocolError
+from kvsp.records import holder_url_rule_broken
 
 
 def may_read_scope(principal, scope_id: bytes) -> bool:
@@ -66,7 +65,8 @@ def check_may_withdraw(
 
 
 def check_holder_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https", "moqt") or not parts.netloc:
-        raise ProtocolError("kvsp-malformed-request", f"{url!r} is not a holder URL")
+    """A holder a principal publishes for is a holder URL by the rules its records are held to."""
+    broken = holder_url_rule_broken(url)
+    if broken is not None:
+        raise ProtocolError("kvsp-malformed-request", f"{url!r} is not a holder URL: {broken}")
     return url

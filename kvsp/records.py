@@ -21,7 +21,9 @@ Choices made where the spec is silent:
 - URLs are compared as strings. A base URL (an instance, a holder reached over HTTP) is an
   absolute ``http``/``https`` URL with a lowercase scheme, a host, a path ending in "/", and no
   user information, query or fragment. A holder may instead be a ``moqt`` URI (4.4) with the
-  same restrictions except the trailing "/".
+  same restrictions except the trailing "/". Every URL is made of the characters RFC 3986
+  allows (unreserved, reserved, and ``%`` with two hex digits): ``"``, ``<``, ``>``, ``\\``,
+  ``^``, ``{``, ``|``, ``}`` and backquotes are refused, not stored for a page to escape later.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ LAYER_ORDERS = ("ascending",)
 # they are limited to URL-unreserved characters.
 _SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
+# What RFC 3986 lets a URI contain: unreserved and reserved characters, and percent-encodings.
+_URI_CHARACTERS = re.compile(r"(?:[A-Za-z0-9._~:/?#\[\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +275,8 @@ def _url_parts(value: object, path: Path) -> SplitResult:
         _fail(path, f"must be at most {MAX_URL_LENGTH} characters")
     if not value.isascii() or any(ch <= " " or ch == "\x7f" for ch in value):
         _fail(path, "must be ASCII without spaces or control characters")
+    if _URI_CHARACTERS.fullmatch(value) is None:
+        _fail(path, "must have only the characters RFC 3986 allows (unreserved, reserved, %HH)")
     if "?" in value or "#" in value:
         _fail(path, "must not have a query or a fragment")
     try:
@@ -318,6 +324,24 @@ def _broken_holder_rule(value: str) -> str | None:
     except InvalidRecord as error:
         return error.message
     return None
+
+
+def base_url_rule_broken(value: object) -> str | None:
+    """The rule of a base URL (an instance, an HTTP holder) that ``value`` breaks, or None: for
+    URLs given outside a record (an instance's registration, settings)."""
+    try:
+        _check_base_url(value, ())
+    except InvalidRecord as error:
+        return error.message
+    return None
+
+
+def holder_url_rule_broken(value: object) -> str | None:
+    """The rule of a holder URL (a base URL, or a ``moqt`` URI) that ``value`` breaks, or None:
+    for URLs given outside a record (the holders a principal publishes for)."""
+    if not isinstance(value, str):
+        return "must be a URL string"
+    return _broken_holder_rule(value)
 
 
 def is_moqt_holder(holder: str) -> bool:

@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvsp.records import base_url_rule_broken
+
 _SCOPE_ID = re.compile(r"[0-9a-f]{32}")
 DEFAULT_LOAD_TIMEOUT_S = 10.0
 
@@ -20,7 +22,14 @@ def _base_url(extra: Mapping, name: str) -> str:
         raise ValueError(
             f"kv_connector_extra_config.{name} must be an http(s) base URL, got {value!r}"
         )
-    return value if value.endswith("/") else value + "/"
+    value = value if value.endswith("/") else value + "/"
+    broken = base_url_rule_broken(value)
+    if broken is not None:
+        raise ValueError(
+            f"kv_connector_extra_config.{name} must be an http(s) base URL ({broken}), "
+            f"got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)

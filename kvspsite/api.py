@@ -29,6 +29,7 @@ from rest_framework.response import Response
 from kvsp.container import MEDIA_TYPE, Container, decode
 from kvsp.problems import PROBLEM_MEDIA_TYPE, ProtocolError, problem_document
 from kvsp.reprdigest import ReprDigestHasher
+from kvspsite.throttling import FAILED_AUTHENTICATIONS
 
 log = logging.getLogger(__name__)
 
@@ -163,17 +164,23 @@ class BearerTokenAuthentication(BaseAuthentication):
         parts = get_authorization_header(request).split()
         if not parts or parts[0].lower() != self.keyword:
             return None
+        token = parts[1].decode("ascii", "replace") if len(parts) == 2 else ""
+        # Guessing tokens from an address that has spent its failures is answered 429 here,
+        # before the lookup that each guess would cost (kvspsite/throttling.py).
+        FAILED_AUTHENTICATIONS.check(request, token)
         if len(parts) != 2:
+            FAILED_AUTHENTICATIONS.failed(request, None)
             raise exceptions.AuthenticationFailed(
                 "the Authorization field must be 'Bearer <token>'"
             )
-        try:
-            token = parts[1].decode("ascii")
-        except UnicodeDecodeError as exc:
-            raise exceptions.AuthenticationFailed("the bearer token is not ASCII") from exc
+        if not parts[1].isascii():
+            FAILED_AUTHENTICATIONS.failed(request, None)
+            raise exceptions.AuthenticationFailed("the bearer token is not ASCII")
         principal = self.principal_for(token)
         if principal is None:
+            FAILED_AUTHENTICATIONS.failed(request, token)
             raise exceptions.AuthenticationFailed("the bearer token is not valid")
+        FAILED_AUTHENTICATIONS.verified(token)
         return principal, token
 
     def principal_for(self, token: str):

@@ -223,6 +223,14 @@ KVSP_LEASE_MAX_TTL_MS = _int_setting("KVSP_LEASE_MAX_TTL_MS", 60_000)
 # Requests per second and burst per principal and serving process; 0 turns the limit off.
 KVSP_RATE_LIMIT_PER_S = _float_setting("KVSP_RATE_LIMIT_PER_S", 2000.0)
 KVSP_RATE_LIMIT_BURST = _int_setting("KVSP_RATE_LIMIT_BURST", 4000)
+# Refused bearer tokens per second and burst per client address and serving process: past them
+# an address's tokens are answered 429 before they are looked up, except tokens the process has
+# verified before (kvspsite/throttling.py); 0 turns the limit off.
+KVSP_AUTH_FAILURES_PER_S = _float_setting("KVSP_AUTH_FAILURES_PER_S", 5.0)
+KVSP_AUTH_FAILURES_BURST = _int_setting("KVSP_AUTH_FAILURES_BURST", 50)
+# Proxies in front of the servers whose X-Forwarded-For names the client (0: the field is
+# ignored and the client is the peer's address, so that a client cannot choose its own).
+KVSP_TRUSTED_PROXIES = _int_setting("KVSP_TRUSTED_PROXIES", 0)
 # How long a node's block and lease requests take a verified bearer token as it was: a revoked
 # token may serve them for this long in each process (0: verified on every request).
 KVSP_AUTH_CACHE_S = _float_setting("KVSP_AUTH_CACHE_S", 2.0)
@@ -328,17 +336,20 @@ if KVSP_ROLE == "node":
     ):
         if globals()[_name] < 1:
             raise ImproperlyConfigured(f"{_name} must be at least 1")
+    from kvsp.records import base_url_rule_broken
+
     for _value in KVSP_SESSION_HOLDERS:
-        if not _value.startswith(("http://", "https://")) or not _value.endswith("/"):
+        if (_broken := base_url_rule_broken(_value)) is not None:
             raise ImproperlyConfigured(
-                f"KVSP_SESSION_HOLDERS: {_value!r} is not an http(s) base URL ending with '/'"
+                f"KVSP_SESSION_HOLDERS: {_value!r} is not an http(s) base URL ending with '/': "
+                f"{_broken}"
             )
     for _name in ("KVSP_CONTROL_URL", "KVSP_PUBLIC_URL"):
         _value = globals()[_name]
-        if _value:
-            _url_setting(_name, _value, ("http", "https"))
-            if not _value.endswith("/"):
-                raise ImproperlyConfigured(f"{_name}={_value!r} must be a base URL ending with '/'")
+        if _value and (_broken := base_url_rule_broken(_value)) is not None:
+            raise ImproperlyConfigured(
+                f"{_name}={_value!r} must be an http(s) base URL ending with '/': {_broken}"
+            )
     # Without these a node would start and then refuse every store and report (6.3, 6.7).
     for _name in ("KVSP_INSTANCE", "KVSP_PUBLIC_URL", "KVSP_CONTROL_URL", "KVSP_TOKEN"):
         if not globals()[_name]:

@@ -14,6 +14,7 @@ from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
+from index.authz import may_read_scope
 from index.models import CompatDescriptor
 from kvsp import cost
 from kvsp.records import InstanceStatusRecord, ResidencyEntry
@@ -342,6 +343,41 @@ def prefetch_latency_histogram(bounds_s: tuple[float, ...]) -> dict:
 
 def shard_maps() -> list[ShardMap]:
     return list(ShardMap.objects.all())
+
+
+def _may_read_contexts(principal, *contexts: dict | None) -> bool:
+    """A Shard Map's context names a scope's Block Keys and the instances that hold them: only
+    a principal that may read that scope sees it. A map without a context names no scope."""
+    return all(
+        may_read_scope(principal, bytes.fromhex(context["scope_id"]))
+        for context in contexts
+        if context is not None
+    )
+
+
+def readable_shard_map(principal, map_id: str) -> ShardMap | None:
+    """The Shard Map ``map_id``, or None when there is none or its context is a scope the
+    principal may not read (the two answer alike)."""
+    row = ShardMap.objects.filter(map=map_id).first()
+    if row is None or not _may_read_contexts(principal, row.context):
+        return None
+    return row
+
+
+def readable_reshard(principal, map_id: str, to_version: int) -> ReshardOperation | None:
+    """The latest attempt of the move of ``map_id`` to ``to_version``, or None when there is
+    none or the map's context or the operation's is a scope the principal may not read."""
+    operation = (
+        ReshardOperation.objects.select_related("shard_map")
+        .filter(shard_map__map=map_id, to_version=to_version)
+        .order_by("-attempt")
+        .first()
+    )
+    if operation is None or not _may_read_contexts(
+        principal, operation.shard_map.context, operation.next_context
+    ):
+        return None
+    return operation
 
 
 def reshard_operation(operation_id: int) -> ReshardOperation | None:

@@ -11,7 +11,6 @@ import logging
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -19,7 +18,7 @@ from django.utils import timezone
 
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
-from kvsp.records import InstanceStatusRecord
+from kvsp.records import InstanceStatusRecord, base_url_rule_broken
 from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
 from kvspsite.celery import enqueue
 from placement import policy
@@ -41,10 +40,12 @@ def check_instance_name(name: str) -> str:
 
 
 def check_base_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or not url.endswith("/"):
+    """An instance's URL is a base URL by the rules its status records are held to."""
+    broken = base_url_rule_broken(url)
+    if broken is not None:
         raise ProtocolError(
-            "kvsp-malformed-request", f"{url!r} is not an http(s) base URL ending with '/'"
+            "kvsp-malformed-request",
+            f"{url!r} is not an http(s) base URL ending with '/': {broken}",
         )
     return url
 

@@ -22,6 +22,16 @@ def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_authentication_failures():
+    """Each test starts with no failed authentication counted against 127.0.0.1 in this
+    process. Servers count theirs in their own processes: a test that needs an address over
+    its budget starts a server of its own (``tests/node/test_blocks.py``)."""
+    from kvspsite.throttling import FAILED_AUTHENTICATIONS
+
+    FAILED_AUTHENTICATIONS.clear()
+
+
 @pytest.fixture(scope="session")
 def database_url(django_db_setup, django_db_blocker) -> str:
     """A URL of the test database, for processes the tests start."""

@@ -25,6 +25,7 @@ from django.views.decorators.http import require_POST, require_safe
 from index import selectors as index_selectors
 from index import services as index_services
 from index.models import Tier
+from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from kvspsite.dashboard import sections
 from kvspsite.dashboard.sections import Page
@@ -242,9 +243,9 @@ def live_session(request, session_id: str):
     if page is None:
         return _missing_json(problem)
     try:
-        after = int(request.GET.get("after", "-1"))
-    except ValueError:
-        return JsonResponse({"detail": "after must be an integer"}, status=400)
+        after = parse_decimal(request.GET.get("after", "-1"), "after", minimum=-1)
+    except ProtocolError as error:
+        return JsonResponse({"detail": error.detail}, status=400)
     tokens = session_selectors.tokens(page.session, after=after)[:TOKENS_PER_REFRESH]
     appended = render_to_string("dashboard/tokens.html", {"tokens": tokens}, request)
     return _live(
@@ -314,8 +315,8 @@ def withdraw_replicas(request, holder_id: int):
         messages.error(request, "You may not withdraw replicas.")
         return _back(request, default)
     try:
-        chosen = [int(value) for value in request.POST.getlist("replica")]
-    except ValueError:
+        chosen = [parse_decimal(value, "replica") for value in request.POST.getlist("replica")]
+    except ProtocolError:
         messages.error(request, "The replicas to withdraw were not given as ids.")
         return _back(request, default)
     if not chosen:

@@ -8,8 +8,8 @@ from rest_framework.views import APIView
 
 from kvsp.problems import ProtocolError
 from placement import placements, resharding, services
-from placement.models import Instance, ReshardOperation, ShardMap
-from placement.selectors import instance_json
+from placement.models import Instance
+from placement.selectors import instance_json, readable_reshard, readable_shard_map
 
 
 def _require_controller(principal) -> None:
@@ -57,10 +57,12 @@ class PlacementView(APIView):
 
 
 class ShardMapView(APIView):
-    """A Shard Map (6.9): GET the authoritative version; PUT to create or set one."""
+    """A Shard Map (6.9): GET the authoritative version; PUT to create or set one. A map whose
+    context is a scope the caller may not read answers like a map that does not exist; PUT
+    and reshard are the Placement Controller's alone, and it reads every scope."""
 
     def get(self, request, map_id: str):
-        row = ShardMap.objects.filter(map=map_id).first()
+        row = readable_shard_map(request.user, map_id)
         if row is None:
             raise ProtocolError("kvsp-not-found", f"no shard map {map_id!r}")
         return Response(row.document())
@@ -89,12 +91,7 @@ class ReshardOperationView(APIView):
     """The latest attempt of the move to ``to_version``."""
 
     def get(self, request, map_id: str, to_version: int):
-        operation = (
-            ReshardOperation.objects.select_related("shard_map")
-            .filter(shard_map__map=map_id, to_version=to_version)
-            .order_by("-attempt")
-            .first()
-        )
+        operation = readable_reshard(request.user, map_id, to_version)
         if operation is None:
             raise ProtocolError("kvsp-not-found", f"no reshard of {map_id!r} to {to_version}")
         return Response(resharding.operation_json(operation))

@@ -9,6 +9,7 @@ from django.http import StreamingHttpResponse
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from sessions import services
 from sessions.models import Session
@@ -59,13 +60,7 @@ class OutputView(APIView):
 
 
 def _int_param(value: str, name: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ProtocolError("kvsp-malformed-request", f"{name} must be an integer") from None
-    if number < -1:
-        raise ProtocolError("kvsp-malformed-request", f"{name} must be -1 or more")
-    return number
+    return parse_decimal(value, name, minimum=-1)
 
 
 def _event_stream(principal, session: str, after: int) -> StreamingHttpResponse:

@@ -324,6 +324,21 @@ REPLICA_REJECTS = [
     (("holder",), "https://[::1/", "holder: is not a valid URL"),
     (("holder",), "https://h1.example/a b/", "holder: must be ASCII without spaces"),
     (("holder",), "https://hé.example/", "holder: must be ASCII"),
+    (
+        ("holder",),
+        'https://h1.example/"><svg/onload=alert(1)>/',
+        "holder: must have only the characters RFC 3986 allows",
+    ),
+    (
+        ("holder",),
+        "https://h1.example/a%zz/",
+        "holder: must have only the characters RFC 3986 allows",
+    ),
+    (
+        ("holder",),
+        "https://h1.example/{x}/",
+        "holder: must have only the characters RFC 3986 allows",
+    ),
     (("holder",), "https://h1.example/" + "a/" * 1100, "holder: must be at most 2048"),
     (("holder",), ["https://h1.example/"], "holder: must be a URL string"),
     (("codec",), 0, "codec: must be an integer from 1 to 65535"),
@@ -501,6 +516,21 @@ STATUS_REJECTS = [
     (("links",), {}, "links: must be an array"),
     (("links", 0), [H1, 1, 1], "links[0]: must be a JSON object"),
     (("links", 0, "holder"), "h1.example", "links[0].holder: must be an absolute URL"),
+    (
+        ("links", 0, "holder"),
+        'http://evil.test/"><svg/onload=alert(1)>/',
+        "links[0].holder: must have only the characters RFC 3986 allows",
+    ),
+    (
+        ("instance",),
+        "http://ii1.example/a|b/",
+        "instance: must have only the characters RFC 3986 allows",
+    ),
+    (
+        ("instance",),
+        "http://ii1.example/a\\b/",
+        "instance: must have only the characters RFC 3986 allows",
+    ),
     (("links", 0, "mbit_per_s"), 0, "links[0].mbit_per_s: must be greater than 0"),
     (("links", 0, "rtt_us"), -1, "links[0].rtt_us: must be at least 0"),
     (("links", 0, "rtt_us"), DELETE, "links[0].rtt_us: required member is missing"),
@@ -541,6 +571,9 @@ def test_status_record_accepts():
     # A moqt relay can be a holder the instance has a link to.
     InstanceStatusRecord.from_json(edited(status_doc(), ("links", 0, "holder"), "moqt://r.example"))
     InstanceStatusRecord.from_json(edited(status_doc(), ("kv_utilization",), 1))
+    # Percent-encodings and the reserved characters are what RFC 3986 allows.
+    allowed = "http://h1.example/a%7Eb/!$&'()*+,;=:@-._~/"
+    InstanceStatusRecord.from_json(edited(status_doc(), ("links", 0, "holder"), allowed))
 
 
 def test_status_record_compat_ids_and_engine():

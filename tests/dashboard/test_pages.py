@@ -113,6 +113,9 @@ def test_the_session_page_lists_tokens_and_its_live_json_sends_only_new_ones(adm
     assert idle["append"] == {} and idle["cursor"] == {"after": 4}
     bad = admin_client.get(f"/live/sessions/{session}", {"after": "x"})
     assert bad.status_code == 400 and "integer" in bad.json()["detail"]
+    for digits in ("२", "+2", " 2"):  # int() reads each of these as 2
+        bad = admin_client.get(f"/live/sessions/{session}", {"after": digits})
+        assert bad.status_code == 400 and "ASCII decimal digits" in bad.json()["detail"]
 
 
 def test_the_holder_page_lists_its_replicas_by_tier(admin_client, scene):

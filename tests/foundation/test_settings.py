@@ -131,6 +131,8 @@ def test_master_key_in_hex_or_base64(tmp_path, value, key):
         ({"KVSP_MASTER_KEY": "base64:" + "ab" * 32}, "KVSP_MASTER_KEY"),
         ({"KVSP_PRODUCTION": "1"}, "KVSP_PRODUCTION"),
         ({**NODE_SETTINGS, "KVSP_CONTROL_URL": "cp.internal"}, "KVSP_CONTROL_URL"),
+        ({**NODE_SETTINGS, "KVSP_PUBLIC_URL": "http://ii1.internal/<b>/"}, "KVSP_PUBLIC_URL"),
+        ({**NODE_SETTINGS, "KVSP_SESSION_HOLDERS": 'http://h.test/"/'}, "KVSP_SESSION_HOLDERS"),
     ],
 )
 def test_bad_configuration_stops_startup_in_one_line(tmp_path, values, named):

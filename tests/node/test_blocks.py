@@ -92,6 +92,11 @@ def test_layers_the_holder_lacks_and_codecs_it_does_not_serve(cluster):
         ({"layers": "3-1"}, "kvsp-malformed-request"),
         ({"layers": "two"}, "kvsp-malformed-request"),
         ({"codec": "raw"}, "kvsp-malformed-request"),
+        # Numbers are ASCII digits: int() would read these Devanagari and fullwidth ones.
+        ({"layers": "१-२"}, "kvsp-malformed-request"),
+        ({"layers": "1-２"}, "kvsp-malformed-request"),
+        ({"layers": "+1-2"}, "kvsp-malformed-request"),
+        ({"codec": "१"}, "kvsp-malformed-request"),
     ):
         bad = api.get_block(cluster.compat, cluster.scope_a, key, **params)
         assert bad.status_code == 400 and problem(bad) == name

@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from placement import resharding
 from placement.models import ReshardOperation, ShardMap
-from tests.support.fixtures import body, make_caller, problem_name, random_key
+from tests.support.fixtures import body, make_caller, make_scope, problem_name, random_key
 from tests.support.standin import StandinNode
 from tests.support.waiting import wait_until
 
@@ -349,3 +349,52 @@ def test_a_context_is_validated(controller):
         {"shards": [{"tokens": [0, 24], "instance": url}], "deadline_ms": 100},
     )
     assert "shards[0].tokens: must start and end on a block boundary" in body(refused)["detail"]
+
+
+def test_a_map_of_another_scope_answers_exactly_like_a_missing_one(controller):
+    """A map's context names its scope's Block Keys and the instances that hold them: a
+    principal that may not read the scope is answered, for the map and its reshards, byte for
+    byte what it is answered once the map is gone; a principal of the scope reads both."""
+    tenant, other = make_scope("tenant-a"), make_scope("tenant-b")
+    member = make_caller("member", scopes=[tenant])
+    outsider = make_caller("outsider", scopes=[other])
+    url = "http://ii1.test/kvsp/"
+    keys = [random_key() for _ in range(4)]
+    document = shard_map(1, ((0, 64), url))
+    document["context"] = context(keys, scope_id=tenant.scope_id_hex)
+    assert controller.put("/kvsp/shardmaps/ctx-1", document).status_code == 201
+    move = {"shards": [{"tokens": [0, 64], "instance": url}], "deadline_ms": 60_000}
+    assert controller.post("/kvsp/shardmaps/ctx-1/reshard", move).status_code == 202
+
+    assert body(member.get("/kvsp/shardmaps/ctx-1"))["context"]["block_keys"] == keys
+    assert body(member.get("/kvsp/shardmaps/ctx-1/reshards/2"))["plans"][0]["blocks"]
+
+    def ask(caller):
+        return [
+            caller.get("/kvsp/shardmaps/ctx-1"),
+            caller.get("/kvsp/shardmaps/ctx-1/reshards/2"),
+            caller.put("/kvsp/shardmaps/ctx-1", document),
+            caller.post("/kvsp/shardmaps/ctx-1/reshard", move),
+        ]
+
+    hidden = ask(outsider)
+    assert [r.status_code for r in hidden] == [404, 404, 403, 403]
+    assert [problem_name(r) for r in hidden[:2]] == ["kvsp-not-found"] * 2
+    assert keys[0].encode() not in b"".join(r.content for r in hidden)
+    # Changing a map is the Placement Controller's alone, even for a principal of its scope.
+    assert [r.status_code for r in ask(member)[2:]] == [403, 403]
+    assert ReshardOperation.objects.count() == 1
+
+    ShardMap.objects.all().delete()
+    absent = ask(outsider)
+    assert [(r.status_code, r.content) for r in hidden] == [
+        (r.status_code, r.content) for r in absent
+    ]
+    assert [r["Content-Type"] for r in hidden] == [r["Content-Type"] for r in absent]
+
+
+def test_a_map_without_a_context_names_no_scope_and_is_read_by_any_principal(controller):
+    url = "http://ii1.test/kvsp/"
+    assert controller.put("/kvsp/shardmaps/ctx-1", shard_map(1, ((0, 100), url))).status_code == 201
+    outsider = make_caller("outsider", scopes=[make_scope("tenant-b")])
+    assert body(outsider.get("/kvsp/shardmaps/ctx-1"))["shards"][0]["instance"] == url

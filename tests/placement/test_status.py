@@ -117,6 +117,7 @@ def test_unregistered_instance_is_404():
         {"kv_utilization": 1.5},
         {"requested_state": "active"},
         {"links": [{"holder": "x", "mbit_per_s": 1, "rtt_us": 1}]},
+        {"links": [{"holder": 'http://evil.test/"><svg/onload=x>/', "mbit_per_s": 1, "rtt_us": 1}]},
         {"ttl_ms": 0},
     ],
 )

@@ -23,7 +23,12 @@ CONFIG = Path(__file__).with_name("schemathesis.toml")
 def test_control_plane_survives_schemathesis(role_env, start_process, artifacts_dir):
     make_scope("tenant-a")
     fuzzer = make_caller("fuzzer", controller=True)
-    server = start_process("server", "control", role_env(KVSP_RATE_LIMIT_PER_S="0"), workers=2)
+    server = start_process(
+        "server",
+        "control",
+        role_env(KVSP_RATE_LIMIT_PER_S="0", KVSP_AUTH_FAILURES_PER_S="0"),
+        workers=2,
+    )
     result = _schemathesis(server.url, fuzzer.token, artifacts_dir / "schemathesis")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
@@ -46,7 +51,7 @@ def test_node_survives_schemathesis(role_env, start_process, artifacts_dir, tmp_
     control = start_process(
         "server",
         "control",
-        role_env(KVSP_RATE_LIMIT_PER_S="0", KVSP_TOKEN=fuzzer.token),
+        role_env(KVSP_RATE_LIMIT_PER_S="0", KVSP_AUTH_FAILURES_PER_S="0", KVSP_TOKEN=fuzzer.token),
         workers=2,
     )
     shm_dir = Path(tempfile.mkdtemp(prefix="kvsp-fuzz-", dir="/dev/shm"))
@@ -60,6 +65,7 @@ def test_node_survives_schemathesis(role_env, start_process, artifacts_dir, tmp_
             KVSP_SHM_DIR=str(shm_dir),
             KVSP_DISK_DIR=str(tmp_path / "disk"),
             KVSP_RATE_LIMIT_PER_S="0",
+            KVSP_AUTH_FAILURES_PER_S="0",
         )
         server = start_process("server", f"node-{name}", env, port=port, workers=2)
         # The worker carries out prefetch directives and the loads of reshard plans, so that a

@@ -33,6 +33,8 @@ def test_settings_are_read_and_unknown_members_ignored():
         ({"scope_id": "ab" * 8}, "scope_id must be the hex16 scope id"),
         ({"control_url": None}, "control_url must be an http(s) base URL, got None"),
         ({"holder_url": "ftp://x/"}, "holder_url must be an http(s) base URL"),
+        ({"holder_url": "http://h.test/a|b/"}, "holder_url must be an http(s) base URL (must"),
+        ({"control_url": "http://cp.test/?x=1"}, "control_url must be an http(s) base URL (must"),
         ({"model": ""}, "model must be a non-empty string"),
         ({"load_timeout_s": 0}, "load_timeout_s must be a positive number"),
         ({"load_timeout_s": True}, "load_timeout_s must be a positive number"),

@@ -12,7 +12,6 @@ controller's or a principal's of the prompt's scope.
 
 from __future__ import annotations
 
-import re
 import uuid
 from pathlib import Path
 
@@ -21,8 +20,11 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from kvsp.records import (
+    UINT16_MAX,
+    UINT32_MAX,
     LeaseRenewal,
     LeaseRequest,
     PrefetchDirective,
@@ -42,8 +44,6 @@ from kvspsite.api import (
 from workers import resharding, selectors, services, serving, sessions, tiers
 from workers.models import Directive
 
-_LAYERS = re.compile(r"(\d{1,10})-(\d{1,10})")
-_CODEC = re.compile(r"\d{1,5}")
 # Accept fields of a block GET that only the container answers.
 _BLOCK_ACCEPT = (None, "*/*", KVSP_BLOCK)
 
@@ -61,12 +61,13 @@ def _require_controller(principal) -> None:
 def _layers(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
-    match = _LAYERS.fullmatch(value)
-    if match is None:
+    first, dash, last = value.partition("-")
+    if not dash:
         raise ProtocolError(
             "kvsp-malformed-request", f"layers={value!r}: use layers=a-b (inclusive, a <= b)"
         )
-    first, last = int(match[1]), int(match[2])
+    first = parse_decimal(first, f"layers={value!r}: a", maximum=UINT32_MAX)
+    last = parse_decimal(last, f"layers={value!r}: b", maximum=UINT32_MAX)
     if first > last:
         raise ProtocolError("kvsp-malformed-request", f"layers={value}: a must not exceed b")
     return first, last
@@ -75,9 +76,7 @@ def _layers(value: str | None) -> tuple[int, int] | None:
 def _codec(value: str | None) -> int | None:
     if value is None:
         return None
-    if not _CODEC.fullmatch(value):
-        raise ProtocolError("kvsp-malformed-request", f"codec={value!r}: use a codec number")
-    return int(value)
+    return parse_decimal(value, f"codec={value!r}: a codec", maximum=UINT16_MAX)
 
 
 def _object(data) -> dict:
@@ -143,13 +142,14 @@ class BlockView(APIView):
         if claimed is not None:
             claimed_sha256(claimed)  # a malformed field is refused before anything is looked up
         length = request.headers.get("Content-Length", "")
-        if not length.isdigit() or int(length) == 0:
+        length = parse_decimal(length, "Content-Length") if length else 0
+        if not length:
             raise ProtocolError(
                 "kvsp-malformed-request",
                 "a block body needs a Content-Length and at least one octet",
                 status=status.HTTP_411_LENGTH_REQUIRED,
             )
-        if int(length) > settings.KVSP_MAX_BLOCK_OCTETS:
+        if length > settings.KVSP_MAX_BLOCK_OCTETS:
             raise ProtocolError(
                 "kvsp-payload-too-large",
                 f"a block body is at most {settings.KVSP_MAX_BLOCK_OCTETS} octets",
