@@ -32,6 +32,7 @@ from kvspsite.celery import enqueue
 from placement import pricing
 from placement.models import Instance, InstanceState
 from placement.selectors import candidates, matched_blocks
+from sessions import streams
 from sessions.models import OutputToken, Session, SessionState
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,8 @@ def do_post_output(principal, session_id: str, body: object, *, now=None) -> dic
             session.state = SessionState.COMPLETED
             session.completed_at = session.completed_at or now
         session.save()
+        if fresh or session.state == SessionState.COMPLETED:
+            transaction.on_commit(lambda: streams.output_changed(key))
     return {
         "session": str(key),
         "epoch": session.epoch,
