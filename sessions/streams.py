@@ -6,8 +6,9 @@ A stream waits on the event loop (``kvspsite/asgibridge.py``), not in a thread, 
 database only when woken:
 
 - one watcher per event loop reads, every ``POLL_S`` while any stream is open, the delivered
-  count and state of every watched session in one query, and wakes the streams of the sessions
-  that changed; tokens POSTed to this process wake its streams at once (``output_changed``);
+  count and state of every watched session in one query; for a session that changed it reads
+  the new tokens once and offers them to all of the session's streams; tokens POSTed to this
+  process are read for its streams at once (``output_changed``);
 - the reads run in ``READERS`` threads of their own, never in the threads that answer status
   reports, publications and lookups;
 - every open stream is a row (``OpenStream``); the watcher extends its process's rows at every
@@ -30,6 +31,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
+from sessions import selectors
 from sessions.models import OpenStream, Session
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ LEASE_HEARTBEATS = 4
 # Serializes the count and the insert of rows per principal on Postgres (SQLite writers take
 # the lock at BEGIN already).
 _ADVISORY_CLASS = 0x4B565350  # "KVSP"
+
+# The state of a session that no longer exists (its streams end).
+_GONE = ("gone",)
 
 _readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="kvsp-streams")
 _watchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -100,6 +105,13 @@ def _extend_streams(rows: list[int]) -> None:
     OpenStream.objects.filter(expires_at__lte=now).delete()
 
 
+def _output_after(session: uuid.UUID, after: int) -> dict | None:
+    """What ``session`` delivered after ``after`` (None once it is gone). Its streams' access
+    was checked when they opened: a session never changes scope."""
+    row = Session.objects.filter(session=session).first()
+    return None if row is None else selectors.output_after(row, after)
+
+
 def _states_of(keys: list[uuid.UUID]) -> dict:
     return {
         key: (delivered, state, epoch)
@@ -127,7 +139,7 @@ async def read(function, *args):
 
 
 def output_changed(session: uuid.UUID) -> None:
-    """Tokens of ``session`` were committed by this process: wake its streams now rather than
+    """Tokens of ``session`` were committed by this process: tell its streams now rather than
     at the watcher's next look. Safe from any thread."""
     with _watchers_lock:
         watchers = list(_watchers.values())
@@ -135,7 +147,7 @@ def output_changed(session: uuid.UUID) -> None:
         loop = found.loop_ref()
         try:
             if loop is not None:
-                loop.call_soon_threadsafe(found.wake, session)
+                loop.call_soon_threadsafe(found.changed, session)
         except RuntimeError:  # that loop is closed
             pass
 
@@ -150,42 +162,97 @@ def watcher() -> OutputWatcher:
     return found
 
 
+class Subscription:
+    """One stream's place at the watcher: the tokens offered to it and not yet taken."""
+
+    def __init__(self, after: int):
+        self.offered = after
+        self.tokens: list[dict] = []
+        self.complete = False
+        self.gone = False
+        self.ready = asyncio.Event()
+
+    def offer(self, answer: dict | None) -> None:
+        if answer is None:
+            self.gone = True
+        else:
+            fresh = [token for token in answer["tokens"] if token["index"] > self.offered]
+            if fresh:
+                self.tokens += fresh
+                self.offered = fresh[-1]["index"]
+            self.complete = self.complete or answer["complete"]
+        if self.tokens or self.complete or self.gone:
+            self.ready.set()
+
+    def take(self) -> list[dict]:
+        tokens, self.tokens = self.tokens, []
+        self.ready.clear()
+        return tokens
+
+
 class OutputWatcher:
-    """The streams of one event loop, by session, and the task that looks for their changes."""
+    """The streams of one event loop, by session: the task that looks for changes, and one read
+    of the new tokens per change of a session, whatever the number of its streams."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         # Weakly, so that the registry of watchers, keyed by loop, lets a closed loop go.
         self.loop_ref = weakref.ref(loop)
-        self._streams: dict[uuid.UUID, set[asyncio.Event]] = {}
-        self._seen: dict[uuid.UUID, tuple | None] = {}
+        self._streams: dict[uuid.UUID, set[Subscription]] = {}
+        self._seen: dict[uuid.UUID, tuple] = {}
         self._rows: set[int] = set()
-        self._task: asyncio.Task | None = None
+        self._looking: asyncio.Task | None = None
+        self._reading: dict[uuid.UUID, asyncio.Task] = {}
+        self._read_again: set[uuid.UUID] = set()
 
-    def watch(self, session: uuid.UUID, row: int | None) -> asyncio.Event:
-        """An event set whenever ``session`` may have changed; set at once, so that what
-        changed before the stream was watched is read too."""
-        event = asyncio.Event()
-        event.set()
-        self._streams.setdefault(session, set()).add(event)
-        if row is not None:
-            self._rows.add(row)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._look())
-        return event
+    def subscribe(self, session: uuid.UUID, after: int, row: int) -> Subscription:
+        """A stream of ``session`` that has sent every token up to ``after``; what changed
+        before it subscribed is read for it at once."""
+        subscription = Subscription(after)
+        self._streams.setdefault(session, set()).add(subscription)
+        self._rows.add(row)
+        if self._looking is None or self._looking.done():
+            self._looking = asyncio.get_running_loop().create_task(self._look())
+        self.changed(session)
+        return subscription
 
-    def unwatch(self, session: uuid.UUID, event: asyncio.Event, row: int | None) -> None:
+    def unsubscribe(self, session: uuid.UUID, subscription: Subscription, row: int) -> None:
         """Forget a stream that ended (its row is deleted when its response closes)."""
-        events = self._streams.get(session)
-        if events is not None:
-            events.discard(event)
-            if not events:
+        subscriptions = self._streams.get(session)
+        if subscriptions is not None:
+            subscriptions.discard(subscription)
+            if not subscriptions:
                 del self._streams[session]
                 self._seen.pop(session, None)
         self._rows.discard(row)
 
-    def wake(self, session: uuid.UUID) -> None:
-        for event in self._streams.get(session, ()):
-            event.set()
+    def changed(self, session: uuid.UUID) -> None:
+        """Read what ``session`` delivered for its streams (once more if a read is under way)."""
+        if session not in self._streams:
+            return
+        if session in self._reading:
+            self._read_again.add(session)
+            return
+        task = asyncio.get_running_loop().create_task(self._read(session))
+        self._reading[session] = task
+
+    async def _read(self, session: uuid.UUID) -> None:
+        try:
+            while session in self._streams:
+                self._read_again.discard(session)
+                after = min(s.offered for s in self._streams[session])
+                try:
+                    answer = await read(_output_after, session, after)
+                except Exception as exc:
+                    # Looked at again once the watcher sees the database again.
+                    log.warning("output streams could not read session %s: %s", session, exc)
+                    self._seen.pop(session, None)
+                    return
+                for subscription in list(self._streams.get(session, ())):
+                    subscription.offer(answer)
+                if session not in self._read_again:
+                    return
+        finally:
+            del self._reading[session]
 
     async def _look(self) -> None:
         loop = asyncio.get_running_loop()
@@ -203,7 +270,9 @@ class OutputWatcher:
                 log.warning("output streams could not read the database: %s", exc)
                 continue
             for session in sessions:
-                state = states.get(session)
-                if session not in self._seen or self._seen[session] != state:
+                # A session seen for the first time is read too: it may have changed between
+                # the read its first stream subscribed with and this look.
+                state = states.get(session, _GONE)
+                if self._seen.get(session) != state:
                     self._seen[session] = state
-                    self.wake(session)
+                    self.changed(session)

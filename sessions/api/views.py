@@ -8,7 +8,6 @@ import time
 
 import orjson
 from django.conf import settings
-from django.db import DatabaseError
 from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -61,7 +60,7 @@ class OutputView(APIView):
                     "once per principal",
                 )
             response = LoopStreamingResponse(
-                _events(request.user, session, after, answer, row),
+                _events(session, after, answer, row),
                 on_close=functools.partial(streams.do_close_stream, row),
                 content_type="text/event-stream",
             )
@@ -87,46 +86,38 @@ def _int_param(value: str, name: str) -> int:
     return number
 
 
-async def _events(principal, session: str, after: int, answer: dict, row: int):
+async def _events(session: str, after: int, answer: dict, row: int):
     """The frames of one stream: its tokens as they are delivered, ``complete`` at the end, and
     a comment at least every ``KVSP_STREAM_HEARTBEAT_S``; over after ``STREAM_IDLE_LIMIT_S``
     without a token."""
     key = services.parse_session_id(session)
-    watcher = streams.watcher()
-    woken = watcher.watch(key, row)
     heartbeat = settings.KVSP_STREAM_HEARTBEAT_S
-    last = after
+    tokens, complete = answer["tokens"], answer["complete"]
+    last = tokens[-1]["index"] if tokens else after
+    watcher = streams.watcher()
+    subscription = watcher.subscribe(key, last, row)
     try:
         idle_since = written_at = time.monotonic()
         while True:
-            for token in answer["tokens"]:
-                last = token["index"]
-                yield f"id: {last}\nevent: token\ndata: {orjson.dumps(token).decode()}\n\n"
+            for token in tokens:
+                data = orjson.dumps(token).decode()
+                yield f"id: {token['index']}\nevent: token\ndata: {data}\n\n"
                 idle_since = written_at = time.monotonic()
-            if answer["complete"]:
+            if complete:
                 yield "event: complete\ndata: {}\n\n"
                 return
             now = time.monotonic()
-            if now - idle_since > STREAM_IDLE_LIMIT_S:
+            if subscription.gone or now - idle_since > STREAM_IDLE_LIMIT_S:
                 return
-            answer = _NO_NEWS
             try:
-                await asyncio.wait_for(woken.wait(), timeout=max(written_at + heartbeat - now, 0))
+                await asyncio.wait_for(
+                    subscription.ready.wait(), timeout=max(written_at + heartbeat - now, 0)
+                )
             except TimeoutError:
+                tokens = []
                 yield ": keepalive\n\n"
                 written_at = time.monotonic()
                 continue
-            woken.clear()
-            try:
-                answer = await streams.read(
-                    functools.partial(services.output_of, principal, session, after=last)
-                )
-            except ProtocolError:
-                return  # the session is gone
-            except DatabaseError:
-                pass  # asked again at the next wake-up
+            tokens, complete = subscription.take(), subscription.complete
     finally:
-        watcher.unwatch(key, woken, row)
-
-
-_NO_NEWS = {"tokens": [], "complete": False}
+        watcher.unsubscribe(key, subscription, row)
