@@ -97,7 +97,7 @@ class WsgiOnLoop:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                self.threads.shutdown(wait=False, cancel_futures=True)
+                # The threads stay: streams still open are closed after this, in them.
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
