@@ -119,6 +119,10 @@ class WsgiOnLoop:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if streaming is None:
             await send({"type": "http.response.body", "body": content})
+        elif scope["method"] == "HEAD":  # the head is the whole answer
+            await send({"type": "http.response.body", "body": b""})
+            await streaming.events.aclose()
+            await loop.run_in_executor(self.threads, streaming.close)
         else:
             await self._stream(streaming, receive, send)
 
