@@ -8,10 +8,12 @@ The same database, the same load and 2 gunicorn workers of 4 threads, served thr
 - ``django-asgi``: Django's own ASGI handler under the same worker, for comparison (it runs each
   request in a thread of its own, so persistent connections are off: ``KVSP_DB_CONN_MAX_AGE=0``).
 
-For each: status reports (200 simulated instances, the common report of an unchanged epoch),
-lookups of 16 keys and publications per second, driven by wrk on 8 connections, and the server's
-CPU milliseconds per request (on a shared machine the steadier figure); ratios against
-``gthread``, taken alternately in three rounds, best of each. Then, on ``asgi``: the same with 200
+The three run side by side on the same data. For each: status reports (200 simulated instances,
+the common report of an unchanged epoch), lookups of 16 keys, publications and ``/healthz`` (no
+database: the cost of serving a request), driven by wrk on 8 connections, as requests per second
+and as the server's CPU milliseconds per request (on a shared machine the steadier figure).
+Rounds are paired: each path on each server in turn, the order rotated every round; the ratios
+to ``gthread`` are the medians of the rounds' ratios. Then, on ``asgi``: the same with 200
 streams open and 200 more dropped without closing (against none open), the CPU the open streams
 use while idle, the time from a token POSTed to its frame on all 200 streams, and on ``gthread``
 whether ``/healthz`` answers within 5 s while 16 streams are open.
@@ -171,6 +173,10 @@ def scripts(directory: str, data: dict) -> dict:
         "status reports": write_status_script(directory, status_lines),
         "lookups (16 keys)": write_holder_script(directory, "lookup", data["holder"], lookups),
         "publications": write_holder_script(directory, "publish", data["holder"], publishes),
+        # No database: what serving a request costs, the framework included.
+        "/healthz": write_holder_script(
+            directory, "healthz", data["holder"], [("GET", "/healthz", None)]
+        ),
     }
 
 
@@ -266,8 +272,8 @@ def token_to_frame(server: Server, data: dict, streams: list) -> list[float]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     wrk_bin = ensure_wrk()
     env = dict(os.environ)
@@ -276,7 +282,6 @@ def main():
         KVSP_ROLE="control",
         KVSP_RATE_LIMIT_PER_S="0",
         KVSP_LOG_LEVEL="WARNING",
-        KVSP_STREAM_HEARTBEAT_S="1",
     )
     env.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
     fresh_database(DB)
@@ -286,33 +291,43 @@ def main():
     data = setup(env)
     logs = Path(tempfile.mkdtemp(prefix="kvsp-bench-streams-"))
     print(f"output streams benchmark: 2 workers of {THREADS} threads, wrk on 8 connections")
-    best: dict[str, dict] = {}
+    kinds = ("gthread", "asgi", "django-asgi")
     with tempfile.TemporaryDirectory() as directory:
         paths = scripts(directory, data)
-        kinds = ["gthread", "asgi"] * args.rounds + ["django-asgi"]
-        for kind in kinds:
-            server = BenchServer(kind, env, logs).start()
-            try:
-                measured = rates(wrk_bin, server, paths, args.seconds)
-            finally:
+        servers = {kind: BenchServer(kind, env, logs) for kind in kinds}
+        try:
+            for server in servers.values():
+                server.start()
+            # Paired: every path on every server in turn, the order rotated each round, so that
+            # what the shared machine does meanwhile weighs on all alike.
+            measured = {kind: {name: [] for name in paths} for kind in kinds}
+            for round_number in range(args.rounds):
+                for name, script in paths.items():
+                    order = kinds[round_number % 3 :] + kinds[: round_number % 3]
+                    for kind in order:
+                        measured[kind][name].append(
+                            rates(wrk_bin, servers[kind], {name: script}, args.seconds)[name]
+                        )
+        finally:
+            for server in servers.values():
                 server.stop()
-            for name, (rate, cpu_ms) in measured.items():
-                rate_before, cpu_before = best.setdefault(kind, {}).get(name, (0, float("inf")))
-                best[kind][name] = (max(rate_before, rate), min(cpu_before, cpu_ms))
-            print(
-                f"  {kind:11s} "
-                + ", ".join(f"{n} {r:.0f}/s {c:.2f} ms" for n, (r, c) in measured.items())
-            )
-        print("  best of each (most requests/s, fewest server CPU ms/request), against gthread:")
+        print(
+            f"  median of {args.rounds} paired rounds: requests/s, server CPU ms per request; "
+            "in brackets the median of the rounds' ratios to gthread"
+        )
         for name in paths:
-            rate, cpu_ms = best["gthread"][name]
-            line = f"    {name:18s} gthread {rate:5.0f}/s {cpu_ms:5.2f} ms"
-            for kind in ("asgi", "django-asgi"):
-                other_rate, other_cpu = best[kind][name]
-                line += (
-                    f" | {kind} {other_rate:5.0f}/s ({other_rate / rate:.2f}) "
-                    f"{other_cpu:5.2f} ms ({other_cpu / cpu_ms:.2f})"
-                )
+            base = measured["gthread"][name]
+            line = f"    {name:18s}"
+            for kind in kinds:
+                runs = measured[kind][name]
+                rate = statistics.median(r for r, _ in runs)
+                cpu_ms = statistics.median(c for _, c in runs)
+                line += f" | {kind} {rate:4.0f}/s {cpu_ms:5.2f} ms"
+                if kind != "gthread":
+                    pairs = list(zip(runs, base, strict=True))
+                    rate_ratio = statistics.median(r / b[0] for (r, _), b in pairs)
+                    cpu_ratio = statistics.median(c / b[1] for (_, c), b in pairs)
+                    line += f" ({rate_ratio:.2f}, {cpu_ratio:.2f})"
             print(line)
 
         server = BenchServer("asgi", env, logs).start()
@@ -341,7 +356,7 @@ def main():
             idle = (server_cpu_s(server) - idle_before) / 5
             loaded = rates(wrk_bin, server, paths, args.seconds)
             print(
-                f"  asgi with {STREAMS} streams open (heartbeat every second) and {STREAMS} "
+                f"  asgi with {STREAMS} streams open (heartbeats every 5 s) and {STREAMS} "
                 f"dropped, against none; idle, the server uses {idle:.3f} CPU s/s "
                 f"({idle_alone:.3f} without streams):"
             )
@@ -366,10 +381,10 @@ def main():
         server = BenchServer("gthread", env, logs).start()
         try:
             held = [
-                open_stream(server.port, data["sessions"][n % 10], data["readers"][0])
+                open_stream(server.port, data["sessions"][n % 10], data["readers"][n % 4])
                 for n in range(4 * THREADS)
             ]
-            time.sleep(1)
+            time.sleep(2)
             try:
                 answered = httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
             except httpx.HTTPError:

@@ -24,9 +24,6 @@ from django.http import StreamingHttpResponse
 
 log = logging.getLogger(__name__)
 
-# The environ key under which a request learns that its server sends LoopStreamingResponses
-# from the event loop (under plain WSGI it is absent).
-LOOP_KEY = "kvsp.event_loop"
 # A request body larger than this is spooled to a file while it is read.
 _SPOOL_OCTETS = 256 * 1024
 
@@ -110,7 +107,6 @@ class WsgiOnLoop:
                 return  # the client left before its request was whole
             body.seek(0)
             environ = _environ(scope, body, received)
-            environ[LOOP_KEY] = loop
             status, headers, content, streaming = await loop.run_in_executor(
                 self.threads, self._respond, environ
             )

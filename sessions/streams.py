@@ -113,12 +113,21 @@ def _output_after(session: uuid.UUID, after: int) -> dict | None:
 
 
 def _states_of(keys: list[uuid.UUID]) -> dict:
-    return {
-        key: (delivered, state, epoch)
-        for key, delivered, state, epoch in Session.objects.filter(session__in=keys).values_list(
-            "session", "delivered", "state", "epoch"
-        )
-    }
+    """The delivered count, state and epoch of each session of ``keys`` that exists. Asked
+    20 times a second by every process with streams open: one plain statement, which costs a
+    quarter of the CPU of the same query through the ORM."""
+    field = Session._meta.get_field("session")
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(name) for name in ("session", "delivered", "state", "epoch"))
+    placeholders = ", ".join(["%s"] * len(keys))
+    statement = (
+        f"SELECT {columns} FROM {quote(Session._meta.db_table)} "  # noqa: S608 - names, not values
+        f"WHERE {quote('session')} IN ({placeholders})"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(statement, [field.get_db_prep_value(key, connection) for key in keys])
+        rows = cursor.fetchall()
+    return {field.to_python(key): (count, state, epoch) for key, count, state, epoch in rows}
 
 
 def _in_reader(function, *args):
@@ -261,11 +270,15 @@ class OutputWatcher:
         while self._streams:
             await asyncio.sleep(POLL_S)
             sessions = list(self._streams)
+            if not sessions:  # the last stream ended meanwhile
+                return
             try:
                 states = await read(_states_of, sessions)
                 if self._rows and loop.time() - extended_at >= extend_every:
                     extended_at = loop.time()
                     await read(_extend_streams, list(self._rows))
+            except RuntimeError:  # the process is exiting: its readers take no more work
+                return
             except Exception as exc:  # a database away for a while: look again later
                 log.warning("output streams could not read the database: %s", exc)
                 continue
