@@ -33,10 +33,12 @@ vllm-env: $(VLLM_VENV)/.installed
 run: $(VENV)/.installed
 	$(PY) manage.py kvsp_cluster
 
+# The control plane under the ASGI worker: requests in KVSP_HTTP_THREADS threads per worker,
+# output event streams on the event loop (kvspsite/asgi.py).
 serve: $(VENV)/.installed
 	$(PY) manage.py migrate --no-input
-	$(VENV)/bin/gunicorn kvspsite.wsgi:application --bind $(HOST):$(PORT) \
-		--workers 2 --worker-class gthread --threads 4
+	$(VENV)/bin/gunicorn kvspsite.asgi:application --bind $(HOST):$(PORT) \
+		--workers 2 --worker-class asgi
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

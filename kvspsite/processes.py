@@ -114,29 +114,34 @@ def stop_all(processes: list[Process], *, grace: float = 5.0) -> None:
             pass
 
 
+def server_argv(role: str, bind: str, *, workers: int, threads: int) -> tuple[list[str], dict]:
+    """The gunicorn command line of a role and what it adds to the environment. The control
+    plane runs under the ASGI worker (``kvspsite/asgi.py``: requests in ``threads`` threads,
+    output event streams on the event loop); a node under gthread."""
+    argv = [str(BIN / "gunicorn"), "--bind", bind, "--workers", str(workers)]
+    if role == "control":
+        argv += ["kvspsite.asgi:application", "--worker-class", "asgi"]
+        return argv, {"KVSP_HTTP_THREADS": str(threads)}
+    argv += ["kvspsite.wsgi:application", "--worker-class", "gthread", "--threads", str(threads)]
+    return argv, {}
+
+
 class Server(Process):
     """A gunicorn-served role of the Django project on a loopback port."""
 
-    def __init__(self, name, env, log_dir, *, workers: int = 2, port: int | None = None):
+    def __init__(
+        self, name, env, log_dir, *, workers: int = 2, port: int | None = None, threads: int = 4
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [
-            str(BIN / "gunicorn"),
-            "kvspsite.wsgi:application",
-            "--bind",
+        argv, extra = server_argv(
+            env.get("KVSP_ROLE", "control"),
             f"127.0.0.1:{self.port}",
-            "--workers",
-            str(workers),
-            "--worker-class",
-            "gthread",
-            "--threads",
-            "4",
-            "--timeout",
-            "120",
-            "--graceful-timeout",
-            "3",
-        ]
-        super().__init__(name, argv, env, log_dir)
+            workers=workers,
+            threads=threads,
+        )
+        argv += ["--timeout", "120", "--graceful-timeout", "3"]
+        super().__init__(name, argv, {**extra, **env}, log_dir)
 
     def start(self) -> Server:
         super().start()

@@ -266,6 +266,14 @@ KVSP_FAILOVER_MIN_FLEET = _int_setting("KVSP_FAILOVER_MIN_FLEET", 3)
 # (sessions.tasks.retry_stalled): longer than one attempt takes.
 KVSP_RESUME_RESEND_S = _float_setting("KVSP_RESUME_RESEND_S", 15.0)
 
+# The control plane's server (kvspsite/asgi.py): threads per process that answer requests.
+KVSP_HTTP_THREADS = max(_int_setting("KVSP_HTTP_THREADS", 4), 1)
+# Output event streams (sessions/streams.py): a comment frame this often, so that a client that
+# left is noticed and an idle connection is not cut by a proxy; streams open at once per
+# principal across the control plane's processes (0: no limit).
+KVSP_STREAM_HEARTBEAT_S = max(_float_setting("KVSP_STREAM_HEARTBEAT_S", 5.0), 0.1)
+KVSP_STREAMS_PER_PRINCIPAL = _int_setting("KVSP_STREAMS_PER_PRINCIPAL", 100)
+
 # Node role.
 KVSP_INSTANCE = env.str("KVSP_INSTANCE", default="")
 KVSP_PUBLIC_URL = env.str("KVSP_PUBLIC_URL", default="")

@@ -84,3 +84,27 @@ class OutputToken(models.Model):
 
     def __str__(self) -> str:
         return f"{self.session_id}[{self.index}]"
+
+
+class OpenStream(models.Model):
+    """An output event stream being served (``GET sessions/{id}/output``, event-stream), so that
+    the cap on streams per principal holds across the control plane's processes. The serving
+    process extends ``expires_at`` at every heartbeat and deletes the row when the stream ends;
+    the rows of a process that died lapse on their own."""
+
+    # The principal's id (index.Principal), kept as a plain number: the row outlives nothing.
+    principal = models.BigIntegerField()
+    session = models.UUIDField()
+    # The serving process: its rows are extended together.
+    server = models.CharField(max_length=64)
+    opened_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["principal", "expires_at"], name="open_stream_principal"),
+            models.Index(fields=["server"], name="open_stream_server"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.principal}:{self.session}"

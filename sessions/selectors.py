@@ -1,4 +1,5 @@
-"""Reads of sessions (spec 6.8) for the operator: the dashboard and /metrics read these."""
+"""Reads of sessions (spec 6.8): the output the front end serves, and what the dashboard and
+/metrics show the operator."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ from sessions.models import OutputToken, Session, SessionState
 
 # Sessions still under way come first in the operator's lists.
 _UNDER_WAY = (SessionState.RUNNING, SessionState.RESUMING)
+
+
+def output_after(session: Session, after: int) -> dict:
+    """The delivered tokens of ``session`` after index ``after``, as ``GET output`` answers."""
+    tokens = OutputToken.objects.filter(session=session, index__gt=after).values_list(
+        "index", "token", "epoch"
+    )
+    return {
+        "session": str(session.session),
+        "epoch": session.epoch,
+        "state": session.state,
+        "tokens": [{"index": i, "token": t, "epoch": e} for i, t, e in tokens],
+        "complete": session.state == SessionState.COMPLETED,
+    }
 
 
 def session_by_id(key: uuid.UUID) -> Session | None:

@@ -32,6 +32,7 @@ from kvspsite.celery import enqueue
 from placement import delivery, pricing
 from placement.models import Instance, InstanceState
 from placement.selectors import candidates, matched_blocks
+from sessions import selectors, streams
 from sessions.models import OutputToken, Session, SessionState
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,8 @@ def do_post_output(principal, session_id: str, body: object, *, now=None) -> dic
             session.state = SessionState.COMPLETED
             session.completed_at = session.completed_at or now
         session.save()
+        if fresh or session.state == SessionState.COMPLETED:
+            transaction.on_commit(lambda: streams.output_changed(key))
     return {
         "session": str(key),
         "epoch": session.epoch,
@@ -240,16 +243,7 @@ def output_of(principal, session_id: str, *, after: int = -1) -> dict:
         principal.controller or bytes(session.scope_id) in principal.scope_ids
     ):
         raise ProtocolError("kvsp-not-found", "no such session")
-    tokens = OutputToken.objects.filter(session=session, index__gt=after).values_list(
-        "index", "token", "epoch"
-    )
-    return {
-        "session": str(key),
-        "epoch": session.epoch,
-        "state": session.state,
-        "tokens": [{"index": i, "token": t, "epoch": e} for i, t, e in tokens],
-        "complete": session.state == SessionState.COMPLETED,
-    }
+    return selectors.output_after(session, after)
 
 
 def session_json(session: Session) -> dict:

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 
 import orjson
-from django.http import StreamingHttpResponse
+from django.conf import settings
+from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
-from sessions import services
+from kvspsite.asgibridge import LoopStreamingResponse
+from sessions import services, streams
 from sessions.models import Session
 
-STREAM_POLL_S = 0.05
+# A stream with no token for this long ends (the client may ask again with Last-Event-ID).
 STREAM_IDLE_LIMIT_S = 300
 
 
@@ -48,8 +52,22 @@ class OutputView(APIView):
             if last_id is not None:
                 after = max(after, _int_param(last_id, "Last-Event-ID"))
             # Check access and existence now, so that an error is a problem, not a stream.
-            services.output_of(request.user, session, after=after)
-            return _event_stream(request.user, session, after)
+            answer = services.output_of(request.user, session, after=after)
+            row = streams.do_open_stream(request.user, services.parse_session_id(session))
+            if row is None:
+                raise exceptions.Throttled(
+                    wait=settings.KVSP_STREAM_HEARTBEAT_S,
+                    detail=f"at most {settings.KVSP_STREAMS_PER_PRINCIPAL} output streams at "
+                    "once per principal",
+                )
+            response = LoopStreamingResponse(
+                _events(session, after, answer, row),
+                on_close=functools.partial(streams.do_close_stream, row),
+                content_type="text/event-stream",
+            )
+            response["Cache-Control"] = "no-store"
+            response["X-Accel-Buffering"] = "no"
+            return response
         return Response(services.output_of(request.user, session, after=after))
 
     def perform_content_negotiation(self, request, force=False):
@@ -63,23 +81,38 @@ def _int_param(value: str, name: str) -> int:
     return parse_decimal(value, name, minimum=-1)
 
 
-def _event_stream(principal, session: str, after: int) -> StreamingHttpResponse:
-    def events():
-        last, idle_since = after, time.monotonic()
+async def _events(session: str, after: int, answer: dict, row: int):
+    """The frames of one stream: its tokens as they are delivered, ``complete`` at the end, and
+    a comment at least every ``KVSP_STREAM_HEARTBEAT_S``; over after ``STREAM_IDLE_LIMIT_S``
+    without a token."""
+    key = services.parse_session_id(session)
+    heartbeat = settings.KVSP_STREAM_HEARTBEAT_S
+    tokens, complete = answer["tokens"], answer["complete"]
+    last = tokens[-1]["index"] if tokens else after
+    watcher = streams.watcher()
+    subscription = watcher.subscribe(key, last, row)
+    try:
+        idle_since = written_at = time.monotonic()
         while True:
-            answer = services.output_of(principal, session, after=last)
-            for token in answer["tokens"]:
-                last = token["index"]
-                yield f"id: {last}\nevent: token\ndata: {orjson.dumps(token).decode()}\n\n"
-                idle_since = time.monotonic()
-            if answer["complete"]:
+            for token in tokens:
+                data = orjson.dumps(token).decode()
+                yield f"id: {token['index']}\nevent: token\ndata: {data}\n\n"
+                idle_since = written_at = time.monotonic()
+            if complete:
                 yield "event: complete\ndata: {}\n\n"
                 return
-            if time.monotonic() - idle_since > STREAM_IDLE_LIMIT_S:
+            now = time.monotonic()
+            if subscription.gone or now - idle_since > STREAM_IDLE_LIMIT_S:
                 return
-            time.sleep(STREAM_POLL_S)
-
-    response = StreamingHttpResponse(events(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-store"
-    response["X-Accel-Buffering"] = "no"
-    return response
+            try:
+                await asyncio.wait_for(
+                    subscription.ready.wait(), timeout=max(written_at + heartbeat - now, 0)
+                )
+            except TimeoutError:
+                tokens = []
+                yield ": keepalive\n\n"
+                written_at = time.monotonic()
+                continue
+            tokens, complete = subscription.take(), subscription.complete
+    finally:
+        watcher.unsubscribe(key, subscription, row)
