@@ -309,6 +309,12 @@ def _session_metrics():
     )
     failovers.add_metric([], selectors.failover_total())
     yield failovers
+    yield _gauge(
+        "kvsp_output_streams",
+        "Output event streams open, in every process of the control plane.",
+        (),
+        [((), selectors.open_stream_count())],
+    )
 
 
 def _reshard_metrics():

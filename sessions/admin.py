@@ -1,10 +1,11 @@
-"""Admin for sessions and their delivered tokens: read-only, since only the protocol changes a
-session (6.8); each session links to its live page on the dashboard."""
+"""Admin for sessions, their delivered tokens and the output streams open on them: read-only,
+since only the protocol changes a session (6.8); each session links to its live page on the
+dashboard."""
 
 from django.contrib import admin
 from django.urls import reverse
 
-from sessions.models import OutputToken, Session
+from sessions.models import OpenStream, OutputToken, Session
 
 
 class OutputTokenInline(admin.TabularInline):
@@ -80,6 +81,25 @@ class OutputTokenAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return [field.name for field in OutputToken._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(OpenStream)
+class OpenStreamAdmin(admin.ModelAdmin):
+    """Streams open now (and rows of stopped processes until they lapse), by principal."""
+
+    list_display = ("session", "principal", "server", "opened_at", "expires_at")
+    list_filter = ("server",)
+    search_fields = ("session", "principal")
+    search_help_text = "A session id or a principal's id."
+
+    def get_readonly_fields(self, request, obj=None):
+        return [field.name for field in OpenStream._meta.fields]
 
     def has_add_permission(self, request):
         return False

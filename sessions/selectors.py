@@ -6,8 +6,9 @@ from __future__ import annotations
 import uuid
 
 from django.db.models import Case, Count, IntegerField, Sum, Value, When
+from django.utils import timezone
 
-from sessions.models import OutputToken, Session, SessionState
+from sessions.models import OpenStream, OutputToken, Session, SessionState
 
 # Sessions still under way come first in the operator's lists.
 _UNDER_WAY = (SessionState.RUNNING, SessionState.RESUMING)
@@ -61,3 +62,8 @@ def tokens(session: Session, *, after: int = -1, limit: int | None = None) -> li
     if limit is None:
         return list(delivered.order_by("index"))
     return list(reversed(delivered.order_by("-index")[:limit]))
+
+
+def open_stream_count() -> int:
+    """Output streams open now, across the control plane's processes (rows not lapsed)."""
+    return OpenStream.objects.filter(expires_at__gt=timezone.now()).count()

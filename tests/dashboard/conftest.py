@@ -12,9 +12,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from index.auth import principal_for_token
 from index.models import Principal
 from kvspsite import metrics
 from placement import resharding
+from sessions import streams
 from tests.placement.conftest import HOLDER, cluster  # noqa: F401 - the constructed cluster
 from tests.support.fixtures import make_caller, make_instance, replica_json, report, status_record
 
@@ -121,6 +123,7 @@ def scene(cluster):  # noqa: F811 - the fixture imported above
     assert ii1.put(f"/kvsp/sessions/{session}/checkpoint", document).status_code == 201
     tokens = [{"epoch": 1, "index": i, "token": t} for i, t in enumerate(generated)]
     assert ii1.post(f"/kvsp/sessions/{session}/output", tokens).status_code == 200
+    streams.do_open_stream(principal_for_token(cluster.router.token), uuid.UUID(session))
 
     shards = [
         {"tokens": [0, 4096], "instance": II1_URL},

@@ -25,6 +25,7 @@ SEARCHES = {
     "placement.reshardoperation": "ctx-1",
     "kvsp_sessions.session": "ii1",
     "kvsp_sessions.outputtoken": None,
+    "kvsp_sessions.openstream": None,
 }
 
 

@@ -59,6 +59,7 @@ def test_the_database_figures_of_the_cluster(client, scene):
 
     assert found[("kvsp_sessions", (("state", "running"),))] == 1
     assert found[("kvsp_session_failovers_total", ())] == 2
+    assert found[("kvsp_output_streams", ())] == 1
     assert found[("kvsp_leases", (("instance", "ii1"),))] == 1
     assert found[("kvsp_lease_octets", (("instance", "ii1"),))] == 3 * 1024 * 1024
     assert found[("kvsp_shard_maps", ())] == 1
