@@ -78,10 +78,9 @@ def do_open_stream(principal, session: uuid.UUID, *, now=None) -> int | None:
     limit = settings.KVSP_STREAMS_PER_PRINCIPAL
     with transaction.atomic():
         if connection.vendor == "postgresql":
+            key = (_ADVISORY_CLASS << 32) | (principal.id & 0xFFFFFFFF)
             with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT pg_advisory_xact_lock(%s, %s)", [_ADVISORY_CLASS, principal.id]
-                )
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [key])
         mine = OpenStream.objects.filter(principal=principal.id)
         mine.filter(expires_at__lte=now).delete()
         if limit and mine.count() >= limit:

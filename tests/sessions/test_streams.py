@@ -215,6 +215,8 @@ def test_many_streams_connected_or_dropped_leave_the_control_plane_answering(ser
             timeout=60,
         )
         assert OpenStream.objects.filter(principal__in=reader_ids).count() == 200
+        # The server closed its side of every dropped connection: none waits in CLOSE-WAIT.
+        wait_until(lambda: not close_wait_sockets(port), "no socket in CLOSE-WAIT", timeout=30)
         liveness.check()
 
         # The connected streams still deliver: the token before, then a new one.
@@ -239,6 +241,19 @@ def test_many_streams_connected_or_dropped_leave_the_control_plane_answering(ser
             stream.sock.close()
         for stream in locals().get("dropped", []):
             stream.sock.close()
+
+
+def close_wait_sockets(port: int) -> int:
+    """TCP sockets of this machine on local ``port`` in CLOSE-WAIT: the peer has closed and
+    the owner has not noticed."""
+    found = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            next(lines)
+            for line in lines:
+                local, _, state = line.split()[1:4]
+                found += int(local.rsplit(":", 1)[1], 16) == port and state == "08"
+    return found
 
 
 def _principal_id(caller) -> int:
