@@ -32,6 +32,18 @@ def _fresh_authentication_failures():
     FAILED_AUTHENTICATIONS.clear()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_lookup_tally():
+    """Lookups counted by earlier tests in this process are dropped, never written: the tally
+    writes on ``request_finished`` once its interval has passed, and a write landing inside
+    another test would add a statement to its pinned query count, or counts to its buckets."""
+    from kvspsite import metrics
+
+    metrics.lookup_tally.take()
+    yield
+    metrics.lookup_tally.take()
+
+
 @pytest.fixture(scope="session")
 def database_url(django_db_setup, django_db_blocker) -> str:
     """A URL of the test database, for processes the tests start."""

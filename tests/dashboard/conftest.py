@@ -25,14 +25,6 @@ II2_URL = "http://ii2.test/kvsp/"
 LINKS = [{"holder": HOLDER, "mbit_per_s": 100_000, "rtt_us": 10}]
 
 
-@pytest.fixture(autouse=True)
-def fresh_lookup_tally():
-    """Lookups counted by earlier tests in this process must not land in this test's buckets."""
-    metrics.lookup_tally.take()
-    yield
-    metrics.lookup_tally.take()
-
-
 def checkpoint_document(built, session: str, *, offset: int, generated: list[int]) -> dict:
     """A checkpoint (6.8) of a session on the prompt of a constructed cluster."""
     return {
