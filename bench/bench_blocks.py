@@ -135,9 +135,10 @@ def main() -> None:
 
 
 def run(repeats, data, record, node_url, path, token, nginx_url) -> None:
-    from workers.fetch import fetch_block
+    from workers.fetch import BlockConnections, fetch_block
 
     node_client = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=120)
+    node_connections = BlockConnections({"Authorization": f"Bearer {token}"})
     plain_client = httpx.Client(timeout=120)
 
     def read_all(client, url, **params) -> tuple[bytearray, httpx.Headers]:
@@ -150,7 +151,7 @@ def run(repeats, data, record, node_url, path, token, nginx_url) -> None:
             return body, response.headers
 
     def node_verified():
-        fetched = fetch_block(node_client, node_url, record, max_size=len(data) + 4096)
+        fetched = fetch_block(node_connections, node_url, record, max_size=len(data) + 4096)
         assert fetched.size == len(data)
 
     def node_plain():

@@ -46,6 +46,7 @@ from bench.support import (  # noqa: E402
     DESCRIPTOR,
     SECTION,
     BenchCluster,
+    CpuMeter,
     Nginx,
     ensure_nginx,
     store_random_block,
@@ -96,17 +97,18 @@ def main() -> None:
             concurrency=4,
         ),
     ]
-    cluster.run(processes, lambda started: run(options, started))
+    meter = CpuMeter(processes)
+    cluster.run(processes, lambda started: run(options, started, meter))
 
 
-def run(options, cluster: BenchCluster) -> None:
+def run(options, cluster: BenchCluster, meter: CpuMeter) -> None:
     import django
 
     cp_url, urls, names, scope = cluster.cp_url, cluster.urls, cluster.names, cluster.scope
     tokens, controller = cluster.tokens, cluster.controller
     os.environ["DATABASE_URL"] = cluster.database_url
     django.setup()
-    from workers.fetch import fetch_block
+    from workers.fetch import BlockConnections, fetch_block
     from workers.models import MeasuredLink
 
     compat = compat_id_hex(DESCRIPTOR)
@@ -146,7 +148,7 @@ def run(options, cluster: BenchCluster) -> None:
 
     # The link to n1 as this script sees it, measured as the node measures it (workers.loader)
     # but one block at a time: the quickest response head, the quickest transfer after it.
-    probe = httpx.Client(headers={"Authorization": f"Bearer {tokens['n2']}"}, timeout=60)
+    probe = BlockConnections({"Authorization": f"Bearer {tokens['n2']}"})
     heads, transfers = [], []
     for key in keys[:8]:
         fetched = fetch_block(probe, urls["n1"], records[key], max_size=1 << 30)
@@ -164,11 +166,15 @@ def run(options, cluster: BenchCluster) -> None:
     nginx = Nginx(ensure_nginx(), source_dir, cluster.work, cluster.work).start()
     try:
         limits = [nginx_limit(nginx.port, files, size) for _ in range(options.repeats)]
+        before = meter.read()
         wall = prefetch(pc, urls, scope, compat, keys)
+        large_cpu = CpuMeter.spent(before, meter.read())
         limits += [nginx_limit(nginx.port, files, size) for _ in range(options.repeats)]
     finally:
         nginx.stop()
+    before = meter.read()
     small_wall = prefetch(pc, urls, scope, small_compat, small_keys)
+    small_cpu = CpuMeter.spent(before, meter.read())
 
     limit = min(limits)
     measured = MeasuredLink.objects.get(instance=names["n2"], holder=urls["n1"])
@@ -198,6 +204,15 @@ def run(options, cluster: BenchCluster) -> None:
     print(f"prefetch of {len(small_keys)} blocks of {small_size / 1024:.0f} KiB n1 -> n2")
     print(f"  wall time on the node (received -> complete): {small_wall * 1e3:9.1f} ms")
     print(f"  per block: {per_block_ms:.3f} ms  (target <= {TARGET_SMALL_MS})")
+    for label, cpu, count in (
+        ("2 MiB", large_cpu, len(keys)),
+        ("16 KiB", small_cpu, len(small_keys)),
+    ):
+        print(f"CPU per block of the {label} directive, by process (ms; the wall time is above):")
+        for role, seconds in sorted(cpu.items(), key=lambda item: -item[1]):
+            if seconds > 0:
+                print(f"  {role:<18} {seconds * 1e3 / count:7.3f}")
+        print(f"  {'all':<18} {sum(cpu.values()) * 1e3 / count:7.3f}")
     if per_block_ms > TARGET_SMALL_MS:
         missed.append(f"16 KiB directive at {per_block_ms:.2f} ms per block")
     if missed:

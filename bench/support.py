@@ -165,6 +165,51 @@ class BenchCluster:
             shutil.rmtree(self.work, ignore_errors=True)
 
 
+class CpuMeter:
+    """CPU seconds (user + system) the processes of a run spend between two readings, by role:
+    each started process with its descendants, Postgres and Redis, and this script. On a
+    machine of few cores every role's CPU is taken from the others, so where a transfer's CPU
+    goes says more than its wall time."""
+
+    def __init__(self, processes: list):
+        self.processes = processes
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def _stats(self) -> dict[int, tuple[int, str, float]]:
+        stats = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            fields = text[text.rindex(")") + 2 :].split()
+            stats[int(entry.name)] = (int(fields[1]), name, (int(fields[11]) + int(fields[12])))
+        return stats
+
+    def read(self) -> dict[str, float]:
+        stats = self._stats()
+        roles = {p.proc.pid: p.name for p in self.processes if p.proc is not None}
+        roles[os.getpid()] = "this script"
+        seconds: dict[str, float] = {}
+        for pid, (ppid, name, ticks) in stats.items():
+            role, parent = roles.get(pid), ppid
+            while role is None and parent in stats:
+                role = roles.get(parent)
+                parent = stats[parent][0]
+            if role is None and name.startswith(("postgres", "redis")):
+                role = name.split(":")[0].split("-")[0]
+            if role is not None:
+                seconds[role] = seconds.get(role, 0.0) + ticks / self._tick
+        return seconds
+
+    @staticmethod
+    def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {role: after[role] - before.get(role, 0.0) for role in after}
+
+
 def ensure_nginx() -> str:
     found = shutil.which("nginx") or (
         "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None

@@ -16,13 +16,15 @@ verifying its octets:
 - one lease per source for all the blocks that list it first, taken by the first fetcher that
   needs it (a slow source holds up only its own blocks); a source that refuses it (it lacks one
   of them, or its quota is short) is leased block by block;
-- ``parallel`` fetchers share one pool of kept-alive connections, so GETs are in flight together
-  and one block's verification (hashlib releases the GIL on large buffers) overlaps the others'
-  transfers;
+- ``parallel`` fetchers share one pool of kept-alive connections (``fetch.BlockConnections``,
+  which reads each body from the socket straight into its container's buffer), so GETs are in
+  flight together and one block's verification (hashlib releases the GIL on large buffers)
+  overlaps the others' transfers;
 - the calling thread admits what the fetchers have ready to the tier store as one batch, in one
   transaction under one lock of the node, publishes the batch's records (``publish_all``)
   and reports the batch (a directive's progress is one UPDATE per batch); while it does, the
-  fetchers go on, so the next batch is whatever arrived meanwhile.
+  fetchers go on, so the next batch is whatever arrived meanwhile, and at least one block per
+  fetcher still running when they bring them within ``BATCH_WAIT_S``.
 
 Loading stops at the deadline, at a block no source can serve (keys are chained, 4.2: the blocks
 after it are of no use to a prefix) or, for a reshard move, when the move is decided meanwhile;
@@ -55,6 +57,9 @@ BATCH_BLOCKS = 256
 BATCH_OCTETS = 256 << 20
 # Blocks fetched and not admitted yet, at most: past it, the fetchers wait for the admitter.
 AHEAD_BLOCKS = 2 * BATCH_BLOCKS
+# An admission and its publication cost a few statements and a request whatever their size, so
+# a batch of fewer blocks than there are fetchers waits this long at most for the next ones.
+BATCH_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ class Loader:
         self._stop = threading.Event()
         self._arrivals: queue.Queue = queue.Queue(maxsize=AHEAD_BLOCKS)
         self._running = 0  # fetchers that have not said _DONE yet
+        self._connections: fetch.BlockConnections | None = None
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -155,7 +161,10 @@ class Loader:
         count = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(self.wanted)))
         # No token of the node's own: each request to a source carries the delegated token for
         # the scope and that source (DESIGN.md section 6), which grants nothing beyond them.
-        with peer_client(token="") as client:
+        # Leases and releases through httpx; the GETs, the bulk of the requests, through
+        # kept-alive connections that read each body straight into its container's buffer.
+        self._connections = fetch.BlockConnections()
+        with peer_client(token="") as client, self._connections:
             threads = [
                 threading.Thread(
                     target=self._fetcher,
@@ -202,6 +211,7 @@ class Loader:
             batch: list[_Arrival] = []
             octets = 0
             item = self._arrivals.get()
+            wait_until = time.monotonic() + BATCH_WAIT_S
             while True:
                 if item is _DONE:
                     self._running -= 1
@@ -213,7 +223,13 @@ class Loader:
                 try:
                     item = self._arrivals.get_nowait()
                 except queue.Empty:
-                    break
+                    left = wait_until - time.monotonic()
+                    if len(batch) >= self._running or left <= 0:
+                        break
+                    try:
+                        item = self._arrivals.get(timeout=left)
+                    except queue.Empty:
+                        break
             if batch:
                 self._admit(batch)
 
@@ -384,7 +400,7 @@ class Loader:
                     client, source, request, token=token, deadline=self.deadline
                 )
             fetched = fetch.fetch_block(
-                client,
+                self._connections,
                 source,
                 record,
                 max_size=settings.KVSP_MAX_BLOCK_OCTETS,

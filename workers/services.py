@@ -553,13 +553,30 @@ def _admit_to_device(name: str, block: StoredBlock, admission) -> None:
     block.device_layers = admission.layers
     block.device_octets = admission.octets
     block.save(update_fields=["device_layers", "device_octets"])
-    for dropped in admission.dropped:
-        other = selectors.stored_block(name, *dropped)
-        if other is not None and other.pk != block.pk:
-            other.device_layers = 0
-            other.device_octets = 0
-            other.save(update_fields=["device_layers", "device_octets"])
-            _publish_on_commit(other)
+    _drop_device_copies(name, set(admission.dropped) - {block.ids})
+
+
+def _drop_device_copies(
+    name: str, dropped: set[BlockIds], republish: list[int] | None = None
+) -> None:
+    """Rows of blocks whose device copies the device tier let go of to make room: one UPDATE
+    for all of them, and their records (whose residency no longer lists the device tier)
+    published again together, by the caller when it gathers them in ``republish``, else once
+    this transaction commits."""
+    if not dropped:
+        return
+    rows = StoredBlock.objects.filter(
+        instance=name, block_key__in=[ids[2] for ids in dropped]
+    ).only("pk", "compat_id", "scope_id", "block_key")
+    pks = [row.pk for row in rows if row.ids in dropped]
+    if not pks:
+        return
+    StoredBlock.objects.filter(pk__in=pks).update(device_layers=0, device_octets=0)
+    if republish is not None:
+        republish.extend(pks)
+    else:
+        # Robust: the change is committed; a failure to tell the IS is retried by the keeper.
+        transaction.on_commit(lambda: publish_all(pks), robust=True)
 
 
 def check_container(container: Container, compat_id: bytes) -> None:
@@ -633,11 +650,16 @@ def _place_many_locked(
     *,
     pending_move_id: int | None = None,
     devices: dict | None = None,
+    refresh_due_at: datetime | None = None,
+    republish: list[int] | None = None,
 ) -> list[int]:
     """Place received blocks under the node's lock (see ``_place_locked``); the ids of the rows
     newly stored. When they all fit in the host tier as it is, nothing moves or leaves, and
     they go in with a few statements in all rather than a few each. ``devices`` maps the ids of
-    blocks the device tier takes a working copy of to that copy's installer."""
+    blocks the device tier takes a working copy of to that copy's installer;
+    ``refresh_due_at``, when given, is when the keeper publishes the new rows' records if the
+    caller, who publishes them at once, could not; ``republish``, when given, gathers the rows
+    whose device copies made room, for the caller to publish with them."""
     devices = devices or {}
     existing = StoredBlock.objects.filter(
         instance=name, block_key__in=[ids[2] for ids, _, _ in prepared]
@@ -669,19 +691,31 @@ def _place_many_locked(
             )
             if created:
                 stored.append(block.pk)
+        if refresh_due_at is not None and stored:
+            StoredBlock.objects.filter(pk__in=stored).update(refresh_due_at=refresh_due_at)
         return stored
     now = timezone.now()
-    rows = []
+    rows: dict[BlockIds, StoredBlock] = {}
+    dropped: set[BlockIds] = set()
     for ids, spool, fields in fresh:
         path = tiers.block_path(tiers.HOST, name, ids)
         tiers.place_file(spool, path)
         placed.append(path)
-        rows.append(_stored_block(name, ids, fields, tiers.HOST, now, pending_move_id))
-    created = StoredBlock.objects.bulk_create(rows)
-    for row in created:
-        device = devices.get(row.ids)
+        row = _stored_block(name, ids, fields, tiers.HOST, now, pending_move_id)
+        if refresh_due_at is not None:
+            row.refresh_due_at = refresh_due_at
+        device = devices.get(ids)
         if device is not None:
-            _admit_to_device(name, row, device())
+            # Installed before the rows are written, so that each row goes in with its device
+            # residency: one INSERT for the batch instead of one UPDATE per block after it.
+            admission = device()
+            row.device_layers, row.device_octets = admission.layers, admission.octets
+            dropped.update(admission.dropped)
+        rows[ids] = row
+    for ids in dropped & rows.keys():  # a copy of this batch made room for a later one
+        rows[ids].device_layers = rows[ids].device_octets = 0
+    created = StoredBlock.objects.bulk_create(list(rows.values()))
+    _drop_device_copies(name, dropped - rows.keys(), republish)
     for compat_id, scope_id in {(ids[0], ids[1]) for ids, _, _ in fresh}:
         PendingWithdrawal.objects.filter(
             instance=name,
@@ -717,8 +751,9 @@ def prepare_device_copy(ids: BlockIds, container: Container, device_tier) -> Cal
 
 def do_admit_loaded(blocks: list[LoadedBlock], pending_move_id: int | None = None):
     """Admit a batch of loaded blocks in one transaction under one lock of the node; a replica
-    held already stays as it is. Returns the ids of the rows newly stored, whose records the
-    caller publishes (``publish_all``). With ``pending_move_id`` the blocks are pending for
+    held already stays as it is. Returns the ids of the rows whose records the caller publishes
+    (``publish_all``): those newly stored, then those whose device copies made room for theirs.
+    With ``pending_move_id`` the blocks are pending for
     that reshard move (not published); None when the move is no longer preparing (decided while
     the blocks travelled): nothing is kept. The spool files are gone afterwards either way."""
     name = selectors.node_name()
@@ -732,14 +767,18 @@ def do_admit_loaded(blocks: list[LoadedBlock], pending_move_id: int | None = Non
                 move = ReshardMove.objects.filter(pk=pending_move_id, phase=MovePhase.PREPARING)
                 if not move.exists():
                     return None
+            # The loader publishes the new rows itself at once; the keeper only if it cannot.
+            retry_at = timezone.now() + PUBLISH_RETRY if pending_move_id is None else None
+            republish: list[int] = []
             stored = _place_many_locked(
-                name, prepared, placed, pending_move_id=pending_move_id, devices=devices
+                name,
+                prepared,
+                placed,
+                pending_move_id=pending_move_id,
+                devices=devices,
+                refresh_due_at=retry_at,
+                republish=republish,
             )
-            if pending_move_id is None and stored:
-                # The loader publishes these itself at once; the keeper only if it cannot.
-                StoredBlock.objects.filter(pk__in=stored).update(
-                    refresh_due_at=timezone.now() + PUBLISH_RETRY
-                )
             if pending_move_id is not None and stored:
                 octets = StoredBlock.objects.filter(pk__in=stored).aggregate(total=Sum("size"))[
                     "total"
@@ -749,7 +788,7 @@ def do_admit_loaded(blocks: list[LoadedBlock], pending_move_id: int | None = Non
                     fetched_octets=F("fetched_octets") + octets,
                 )
         placed.clear()
-        return stored
+        return stored + republish
     finally:
         for block in blocks:
             tiers.unlink_quietly(block.spool)

@@ -102,7 +102,9 @@ class StandinHolder:
     what is sent), to inject a block whose layers differ from its record. ``pace_mbit_per_s``
     makes the holder a link of that rate: the bodies of all GETs together leave no faster.
     ``received`` lists (method, path, Authorization field) of every request, in order: what a
-    client hands whatever it takes for a holder.
+    client hands whatever it takes for a holder; ``connections`` counts the connections they
+    came over. ``drop_idle`` closes each connection after one answer without saying so, as a
+    holder does that times out idle connections just as a client reuses one.
     """
 
     def __init__(self):
@@ -116,6 +118,8 @@ class StandinHolder:
         self.leases: list[dict] = []
         self.gets: list[str] = []
         self.received: list[tuple[str, str, str | None]] = []
+        self.connections = 0
+        self.drop_idle = False
         holder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -123,6 +127,15 @@ class StandinHolder:
 
             def log_message(self, *args):
                 pass
+
+            def setup(self):
+                super().setup()
+                holder.connections += 1
+
+            def handle_one_request(self):
+                super().handle_one_request()
+                if holder.drop_idle:
+                    self.close_connection = True
 
             def parse_request(self):
                 parsed = super().parse_request()

@@ -353,8 +353,8 @@ def test_grow_shift_swap_and_shrink_on_real_tensors_move_only_what_changes_hands
         )
 
     # Gathered per the last version from its holders, verified against their records, decoded.
-    reader = httpx.Client(
-        headers={"Authorization": f"Bearer {sharding.cluster.tokens['reader_a']}"}
+    reader = fetch.BlockConnections(
+        {"Authorization": f"Bearer {sharding.cluster.tokens['reader_a']}"}
     )
     gathered = []
     for key, owner in zip(keys, owners(versions[-1], blocks), strict=True):
