@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -230,3 +231,41 @@ class StandinHolder:
             "residency": [{"tier": "host", "layers": [0, len(digests) - 1]}],
             "ttl_ms": ttl_ms,
         }
+
+
+def block_row(instance: str, ids: tuple[bytes, bytes, bytes], at, **fields):
+    """A StoredBlock row (not saved) of a block of 4 layers stored and last read ``at``, with
+    placeholder digests: for tests of what the node does with its rows, not with files."""
+    from workers.models import StoredBlock
+
+    compat_id, scope_id, block_key = ids
+    values = {
+        "codec": 1,
+        "size": 100,
+        "token_count": 16,
+        "layer_count": 4,
+        "digest": b"\x00" * 32,
+        "layer_digests": b"\x00" * 32 * 4,
+        "repr_sha256": b"\x00" * 32,
+        "tier": "host",
+        "stored_at": at,
+        "last_access": at,
+        "refresh_due_at": at,
+        **fields,
+    }
+    return StoredBlock(
+        instance=instance, compat_id=compat_id, scope_id=scope_id, block_key=block_key, **values
+    )
+
+
+def block_gets(node) -> int:
+    """Block GETs the node has answered, from its /metrics."""
+    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
+    pattern = re.compile(r"^kvsp_http_requests_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
+    return int(
+        sum(
+            float(value)
+            for labels, value in pattern.findall(text)
+            if 'endpoint="block"' in labels and 'method="GET"' in labels
+        )
+    )

@@ -12,7 +12,8 @@ from django.db import connection
 from django.utils import timezone
 
 from index.auth import AuthenticatedPrincipal
-from workers import selectors, tiers
+from tests.node.support import block_row
+from workers import selectors
 from workers.models import StoredBlock
 
 NODE = "reads-node"
@@ -26,23 +27,9 @@ def principal(*scopes: bytes) -> AuthenticatedPrincipal:
 
 
 def stored(last_access) -> StoredBlock:
-    return StoredBlock.objects.create(
-        instance=NODE,
-        compat_id=IDS[0],
-        scope_id=IDS[1],
-        block_key=IDS[2],
-        codec=1,
-        size=100,
-        token_count=16,
-        layer_count=4,
-        digest=b"\x00" * 32,
-        layer_digests=b"\x00" * 128,
-        repr_sha256=b"\x00" * 32,
-        tier=tiers.HOST,
-        stored_at=last_access,
-        last_access=last_access,
-        refresh_due_at=last_access,
-    )
+    row = block_row(NODE, IDS, last_access)
+    row.save()
+    return row
 
 
 def last_access(row: StoredBlock):
