@@ -37,9 +37,9 @@ def clean_env(tmp_path, **values):
     return env
 
 
-def settings_of(tmp_path, **values):
+def printed_by(tmp_path, script: str, **values):
     result = subprocess.run(
-        [PYTHON, "-c", PRINT_SETTINGS],
+        [PYTHON, "-c", script],
         cwd=ROOT,
         env=clean_env(tmp_path, **values),
         capture_output=True,
@@ -48,6 +48,10 @@ def settings_of(tmp_path, **values):
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def settings_of(tmp_path, **values):
+    return printed_by(tmp_path, PRINT_SETTINGS, **values)
 
 
 def manage_check(tmp_path, **values):
@@ -151,16 +155,7 @@ PRINT_MIDDLEWARE = (
 
 
 def middleware_of(tmp_path, **values) -> list[str]:
-    result = subprocess.run(
-        [PYTHON, "-c", PRINT_MIDDLEWARE],
-        cwd=ROOT,
-        env=clean_env(tmp_path, **values),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return printed_by(tmp_path, PRINT_MIDDLEWARE, **values)
 
 
 # What a node serves none of: logins, sessions, forms, admin messages, HTML pages, static files.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -255,17 +254,4 @@ def block_row(instance: str, ids: tuple[bytes, bytes, bytes], at, **fields):
     }
     return StoredBlock(
         instance=instance, compat_id=compat_id, scope_id=scope_id, block_key=block_key, **values
-    )
-
-
-def block_gets(node) -> int:
-    """Block GETs the node has answered, from its /metrics."""
-    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
-    pattern = re.compile(r"^kvsp_http_requests_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
-    return int(
-        sum(
-            float(value)
-            for labels, value in pattern.findall(text)
-            if 'endpoint="block"' in labels and 'method="GET"' in labels
-        )
     )

@@ -17,13 +17,13 @@ from kvspsite.processes import run_manage
 from tests.node.conftest import REPLICA_TTL_MS
 from tests.node.support import (
     BLOCK,
-    block_gets,
     container,
     layer_digests,
     problem,
     random_key,
     sha256,
 )
+from tests.node.test_resharding import block_gets
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db

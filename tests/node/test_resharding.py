@@ -13,6 +13,7 @@ controller's worker killed between prepare and commit.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from tests.node.conftest import Node, extra_node, start_all
-from tests.node.support import block_gets, container, problem, random_key
+from tests.node.support import container, problem, random_key
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -175,6 +176,19 @@ def noise_blocks(count: int) -> tuple[list[str], list[bytes]]:
     return (
         [random_key() for _ in range(count)],
         [container(os.urandom(8), tokens=BLOCK_TOKENS) for _ in range(count)],
+    )
+
+
+def block_gets(node: Node) -> int:
+    """Block GETs the node has answered, from its /metrics."""
+    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
+    pattern = re.compile(r"^kvsp_http_requests_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
+    return int(
+        sum(
+            float(value)
+            for labels, value in pattern.findall(text)
+            if 'endpoint="block"' in labels and 'method="GET"' in labels
+        )
     )
 
 
