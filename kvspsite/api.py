@@ -29,7 +29,7 @@ from rest_framework.response import Response
 from kvsp.container import MEDIA_TYPE, Container, decode
 from kvsp.problems import PROBLEM_MEDIA_TYPE, ProtocolError, problem_document
 from kvsp.reprdigest import ReprDigestHasher
-from kvspsite.throttling import FAILED_AUTHENTICATIONS
+from kvspsite.throttling import FAILED_AUTHENTICATIONS, PrincipalRateThrottle
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,23 @@ class HolderAuthentication(CachedBearerTokenAuthentication):
 # Tokens remembered by CachedBearerTokenAuthentication at most, per process.
 _MAX_VERIFIED = 10_000
 
+_HOLDER_AUTHENTICATION = HolderAuthentication()
+
+
+def holder_principal(request):
+    """The principal of a block request on the lean path (``workers.api.views``), checked as
+    DRF checks a view with ``HolderAuthentication``, ``IsAuthenticated`` and
+    ``PrincipalRateThrottle``: the same exceptions (401, 429 for the failed-auth budget and for
+    the principal's rate), for ``problem_http_response_for`` to answer alike."""
+    found = _HOLDER_AUTHENTICATION.authenticate(request)
+    principal = found[0] if found is not None else None
+    if not getattr(principal, "is_authenticated", False):
+        raise exceptions.NotAuthenticated()
+    wait = PrincipalRateThrottle.take(request, principal)
+    if wait:
+        raise exceptions.Throttled(max(wait, 0.001))
+    return principal
+
 
 # DRF exceptions map to our problem names by class; anything else by its status code.
 _PROBLEM_FOR_DRF = (
@@ -304,30 +321,31 @@ def problem_response(
     )
 
 
-def problem_exception_handler(exc, context):
-    """DRF's EXCEPTION_HANDLER: every exception a view raises becomes problem details."""
+def problem_for_exception(exc, where: str = "a view") -> tuple[str, str, int | None, dict]:
+    """The problem details an exception is answered with: (problem, detail, status, headers).
+
+    What DRF's exception handler and the lean block path (``workers.api.views``) share, so that
+    both answer every error alike."""
     if isinstance(exc, ProtocolError):
-        return problem_response(exc.problem, exc.detail, status_code=exc.status)
+        return exc.problem, exc.detail, exc.status, {}
     if isinstance(exc, (OperationalError, InterfaceError)):
         log.warning("database unavailable: %s", exc)
-        return problem_response(
-            "kvsp-unavailable", "the database is unavailable; retry", headers={"Retry-After": "1"}
-        )
+        return "kvsp-unavailable", "the database is unavailable; retry", None, {"Retry-After": "1"}
     if isinstance(exc, DataError):
-        return problem_response("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
+        return "kvsp-invalid-record", OUT_OF_RANGE_DETAIL, None, {}
     if isinstance(exc, IntegrityError):
         # A uniqueness rule the request's own checks missed (a concurrent request made the
         # same row first, say): the statement failed inside the transaction, nothing changed.
         log.warning("a request tripped a database constraint: %s", exc)
-        return problem_response("kvsp-conflict", _CONSTRAINT)
+        return "kvsp-conflict", _CONSTRAINT, None, {}
     if isinstance(exc, Http404):
-        return problem_response("kvsp-not-found", "no such resource")
+        return "kvsp-not-found", "no such resource", None, {}
     if isinstance(exc, RequestDataTooBig):
-        return problem_response("kvsp-payload-too-large", "the request body is too large")
+        return "kvsp-payload-too-large", "the request body is too large", None, {}
     if isinstance(exc, PermissionDenied):
-        return problem_response("kvsp-forbidden", "not allowed")
+        return "kvsp-forbidden", "not allowed", None, {}
     if isinstance(exc, SuspiciousOperation):
-        return problem_response("kvsp-malformed-request", "the request was refused as malformed")
+        return "kvsp-malformed-request", "the request was refused as malformed", None, {}
     if isinstance(exc, exceptions.APIException):
         problem = next(
             (name for cls, name in _PROBLEM_FOR_DRF if isinstance(exc, cls)),
@@ -342,11 +360,27 @@ def problem_exception_handler(exc, context):
             headers["WWW-Authenticate"] = exc.auth_header
         if getattr(exc, "wait", None):
             headers["Retry-After"] = str(int(exc.wait))
-        response = problem_response(problem, detail, status_code=exc.status_code, headers=headers)
-        return response
+        return problem, detail, exc.status_code, headers
+    log.exception("uncaught error in %s", where)
+    return "kvsp-internal-error", "the server failed to handle the request", None, {}
+
+
+def problem_exception_handler(exc, context):
+    """DRF's EXCEPTION_HANDLER: every exception a view raises becomes problem details."""
     view = context.get("view")
-    log.exception("uncaught error in %s", type(view).__name__ if view else "a view")
-    return problem_response("kvsp-internal-error", "the server failed to handle the request")
+    problem, detail, status_code, headers = problem_for_exception(
+        exc, type(view).__name__ if view else "a view"
+    )
+    return problem_response(problem, detail, status_code=status_code, headers=headers or None)
+
+
+def problem_http_response_for(exc, where: str) -> HttpResponse:
+    """``problem_exception_handler`` for code outside DRF views: a plain Django response."""
+    problem, detail, status_code, headers = problem_for_exception(exc, where)
+    response = problem_http_response(problem, detail, status_code)
+    for name, value in headers.items():
+        response[name] = value
+    return response
 
 
 def problem_http_response(problem: str, detail: str, status_code: int | None = None):

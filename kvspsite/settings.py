@@ -136,18 +136,37 @@ INSTALLED_APPS = [
     "workers",
 ]
 
-MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
-    "kvspsite.metrics.RequestMetricsMiddleware",
-    "kvspsite.api.ProblemDetailsMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
-]
+# Middleware per role. The control plane serves the admin and the dashboard (HTML pages, static
+# files, logins, forms): it needs sessions, CSRF, authentication, messages and the frame guard.
+# A node serves only the API (bearer tokens, no cookies, no forms, no HTML, no static files;
+# kvspsite/urls_node.py), and every middleware runs on each of a loader's thousands of block
+# GETs: it keeps the security headers (SecurityMiddleware: nosniff, Referrer-Policy), the
+# request metrics, problem details, and CommonMiddleware (ALLOWED_HOSTS, Content-Length).
+MIDDLEWARE_BY_ROLE = {
+    "control": [
+        "django.middleware.security.SecurityMiddleware",
+        "whitenoise.middleware.WhiteNoiseMiddleware",
+        "kvspsite.metrics.RequestMetricsMiddleware",
+        "kvspsite.api.ProblemDetailsMiddleware",
+        "django.contrib.sessions.middleware.SessionMiddleware",
+        "django.middleware.common.CommonMiddleware",
+        "django.middleware.csrf.CsrfViewMiddleware",
+        "django.contrib.auth.middleware.AuthenticationMiddleware",
+        "django.contrib.messages.middleware.MessageMiddleware",
+        "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    ],
+    "node": [
+        "django.middleware.security.SecurityMiddleware",
+        "kvspsite.metrics.RequestMetricsMiddleware",
+        "kvspsite.api.ProblemDetailsMiddleware",
+        "django.middleware.common.CommonMiddleware",
+    ],
+}
+MIDDLEWARE = MIDDLEWARE_BY_ROLE[KVSP_ROLE]
+if KVSP_ROLE == "node":
+    # The admin app stays installed on a node (its models and migrations are shared), but the
+    # node serves no admin site: the checks that it has the middleware of one do not apply.
+    SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410"]
 
 ROOT_URLCONF = f"kvspsite.urls_{KVSP_ROLE}"
 

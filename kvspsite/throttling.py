@@ -88,18 +88,24 @@ class PrincipalRateThrottle(BaseThrottle):
     def __init__(self):
         self._wait = 0.0
 
-    def _key(self, request) -> str:
-        principal = request.user
+    @staticmethod
+    def _key(request, principal) -> str:
         if getattr(principal, "is_authenticated", False) and hasattr(principal, "id"):
             return f"principal:{principal.id}"
         return f"address:{client_address(request)}"
 
-    def allow_request(self, request, view) -> bool:
+    @classmethod
+    def take(cls, request, principal) -> float:
+        """Take a request's token from its principal's bucket: 0 when there was one, else the
+        seconds until there is. The lean block path (``workers.api.views``) asks this directly."""
         rate = settings.KVSP_RATE_LIMIT_PER_S
         if not rate:
-            return True
+            return 0.0
         burst = max(settings.KVSP_RATE_LIMIT_BURST, 1)
-        self._wait = self._buckets.take(self._key(request), rate, burst)
+        return cls._buckets.take(cls._key(request, principal), rate, burst)
+
+    def allow_request(self, request, view) -> bool:
+        self._wait = self.take(request, request.user)
         return self._wait == 0.0
 
     def wait(self) -> float:

@@ -7,7 +7,7 @@ import hashlib
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import Count, Sum
 from django.utils import timezone
 
@@ -50,11 +50,12 @@ _FIELDS = [field.attname for field in StoredBlock._meta.concrete_fields]
 # The one query of every block GET: written out once rather than compiled by the ORM per
 # request (which costs more CPU than the rest of the request's handling).
 # Names from the model, values as parameters:
-_HELD_BLOCK = (
-    f"SELECT {', '.join(field.column for field in StoredBlock._meta.concrete_fields)} "  # noqa: S608
-    f"FROM {StoredBlock._meta.db_table} WHERE instance = %s AND compat_id = %s "
-    "AND scope_id = %s AND block_key = %s AND pending_move_id IS NULL"
+_COLUMNS = ", ".join(field.column for field in StoredBlock._meta.concrete_fields)
+_HELD_BLOCK_WHERE = (
+    "instance = %s AND compat_id = %s AND scope_id = %s AND block_key = %s "
+    "AND pending_move_id IS NULL"
 )
+_HELD_BLOCK = f"SELECT {_COLUMNS} FROM {StoredBlock._meta.db_table} WHERE {_HELD_BLOCK_WHERE}"  # noqa: S608
 
 
 def held_block(name: str, compat_id: bytes, scope_id: bytes, block_key: bytes):
@@ -71,10 +72,16 @@ def held_block(name: str, compat_id: bytes, scope_id: bytes, block_key: bytes):
     return None if row is None else StoredBlock.from_db(connection.alias, _FIELDS, row)
 
 
-_TOUCH_HELD_BLOCK = (
-    f"UPDATE {StoredBlock._meta.db_table} SET last_access = %s "  # noqa: S608
-    "WHERE instance = %s AND compat_id = %s AND scope_id = %s AND block_key = %s "
-    "AND pending_move_id IS NULL AND last_access < %s"
+# The read and the touch of a block GET as one statement, which Postgres runs as a transaction
+# of its own outside a transaction block: the UPDATE in WITH runs whether or not its output is
+# read, and both see the same snapshot, so the row comes back as it was before the touch.
+# set_config(..., true) lasts until that transaction commits, so the touch does not wait for the
+# WAL to reach the disk (see ``touch``).
+_READ_AND_TOUCH_HELD_BLOCK = (
+    f"WITH touched AS (UPDATE {StoredBlock._meta.db_table} SET last_access = %s "  # noqa: S608
+    f"WHERE {_HELD_BLOCK_WHERE} AND last_access < %s) "
+    f"SELECT {_COLUMNS}, set_config('synchronous_commit', 'off', true) "
+    f"FROM {StoredBlock._meta.db_table} WHERE {_HELD_BLOCK_WHERE}"
 )
 
 
@@ -88,10 +95,12 @@ def block_for_reader(principal, compat_id: bytes, scope_id: bytes, block_key: by
 def read_block(principal, compat_id: bytes, scope_id: bytes, block_key: bytes):
     """``block_for_reader``, and the block marked used (``touch``) as it is read.
 
-    On Postgres, outside a transaction, the read and the touch go to the server together in
-    one pipeline, one round trip instead of four (the read, and the touch's BEGIN, UPDATE and
-    COMMIT), and without the ORM compiling an UPDATE per GET. The touch counts a GET the view
-    then refuses for its layers or codec as a use of the block: it was asked for."""
+    On Postgres, outside a transaction, the read and the touch are one statement
+    (``_READ_AND_TOUCH_HELD_BLOCK``): one round trip, one cursor, instead of the read and the
+    touch's BEGIN, UPDATE and COMMIT, and without the ORM compiling an UPDATE per GET. The touch
+    is done before the GET answers, so that any process choosing what to evict next sees it.
+    It counts a GET the view then refuses for its layers or codec as a use of the block: it
+    was asked for."""
     if not may_read_scope(principal, scope_id):
         return None
     name = node_name()
@@ -102,17 +111,29 @@ def read_block(principal, compat_id: bytes, scope_id: bytes, block_key: bytes):
         return block
     now = timezone.now()
     ids = [name, compat_id, scope_id, block_key]
-    connection.ensure_connection()
-    raw = connection.connection
-    with raw.cursor() as reader, raw.cursor() as toucher:
-        with raw.pipeline():
-            reader.execute(_HELD_BLOCK, ids)
-            toucher.execute("BEGIN")
-            toucher.execute("SET LOCAL synchronous_commit TO OFF")
-            toucher.execute(_TOUCH_HELD_BLOCK, [now, *ids, now - ACCESS_RESOLUTION])
-            toucher.execute("COMMIT")
-        row = reader.fetchone()
-    return None if row is None else StoredBlock.from_db(connection.alias, _FIELDS, row)
+    row = _fetch_one_checking_by_use(
+        _READ_AND_TOUCH_HELD_BLOCK, [now, *ids, now - ACCESS_RESOLUTION, *ids]
+    )
+    return None if row is None else StoredBlock.from_db(connection.alias, _FIELDS, row[:-1])
+
+
+def _fetch_one_checking_by_use(sql: str, params: list):
+    """One row of a statement that may run twice (outside a transaction), on the connection
+    kept from an earlier request without Django's health check of it (CONN_HEALTH_CHECKS: a
+    ``SELECT 1``, a round trip of its own before the request's first query). Should the
+    connection have died since (a database restart), the statement fails, and it runs once
+    more on a new connection: what the check would have done, paid for only when needed."""
+    if connection.connection is not None and not connection.health_check_done:
+        connection.health_check_done = True
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(sql, params)
+                return cursor.fetchone()
+        except (OperationalError, InterfaceError):
+            connection.close()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchone()
 
 
 def touch(block: StoredBlock, now: datetime | None = None) -> None:

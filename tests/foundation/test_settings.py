@@ -37,9 +37,9 @@ def clean_env(tmp_path, **values):
     return env
 
 
-def settings_of(tmp_path, **values):
+def printed_by(tmp_path, script: str, **values):
     result = subprocess.run(
-        [PYTHON, "-c", PRINT_SETTINGS],
+        [PYTHON, "-c", script],
         cwd=ROOT,
         env=clean_env(tmp_path, **values),
         capture_output=True,
@@ -48,6 +48,10 @@ def settings_of(tmp_path, **values):
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def settings_of(tmp_path, **values):
+    return printed_by(tmp_path, PRINT_SETTINGS, **values)
 
 
 def manage_check(tmp_path, **values):
@@ -142,3 +146,39 @@ def test_bad_configuration_stops_startup_in_one_line(tmp_path, values, named):
     assert len(lines) == 1, result.stderr
     assert named in lines[0]
     assert "Traceback" not in result.stderr
+
+
+PRINT_MIDDLEWARE = (
+    "import django, json; django.setup(); from django.conf import settings as s; "
+    "print(json.dumps(s.MIDDLEWARE))"
+)
+
+
+def middleware_of(tmp_path, **values) -> list[str]:
+    return printed_by(tmp_path, PRINT_MIDDLEWARE, **values)
+
+
+# What a node serves none of: logins, sessions, forms, admin messages, HTML pages, static files.
+BROWSER_MIDDLEWARE = {
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+}
+API_MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "kvspsite.metrics.RequestMetricsMiddleware",
+    "kvspsite.api.ProblemDetailsMiddleware",
+    "django.middleware.common.CommonMiddleware",
+]
+
+
+def test_a_node_runs_only_the_middleware_an_api_needs_and_passes_its_checks(tmp_path):
+    control = middleware_of(tmp_path)
+    assert BROWSER_MIDDLEWARE <= set(control)
+    assert [name for name in control if name not in BROWSER_MIDDLEWARE] == API_MIDDLEWARE
+    assert middleware_of(tmp_path, **NODE_SETTINGS) == API_MIDDLEWARE
+    checked = manage_check(tmp_path, **NODE_SETTINGS)
+    assert checked.returncode == 0, checked.stderr

@@ -243,3 +243,28 @@ class StandinHolder:
             "residency": [{"tier": "host", "layers": [0, len(digests) - 1]}],
             "ttl_ms": ttl_ms,
         }
+
+
+def block_row(instance: str, ids: tuple[bytes, bytes, bytes], at, **fields):
+    """A StoredBlock row (not saved) of a block of 4 layers stored and last read ``at``, with
+    placeholder digests: for tests of what the node does with its rows, not with files."""
+    from workers.models import StoredBlock
+
+    compat_id, scope_id, block_key = ids
+    values = {
+        "codec": 1,
+        "size": 100,
+        "token_count": 16,
+        "layer_count": 4,
+        "digest": b"\x00" * 32,
+        "layer_digests": b"\x00" * 32 * 4,
+        "repr_sha256": b"\x00" * 32,
+        "tier": "host",
+        "stored_at": at,
+        "last_access": at,
+        "refresh_due_at": at,
+        **fields,
+    }
+    return StoredBlock(
+        instance=instance, compat_id=compat_id, scope_id=scope_id, block_key=block_key, **values
+    )

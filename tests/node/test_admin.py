@@ -8,7 +8,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from workers.models import Directive, MeasuredLink, Node, ServedSession, StoredBlock
+from tests.node.support import block_row
+from workers.models import Directive, MeasuredLink, Node, ServedSession
 
 pytestmark = pytest.mark.django_db
 
@@ -27,23 +28,13 @@ MODELS = (
 def test_admin_lists_node_rows_and_offers_no_changes():
     now = timezone.now()
     Node.objects.create(name="ii1", epoch=1)
-    StoredBlock.objects.create(
-        instance="ii1",
-        compat_id=b"\x01" * 32,
-        scope_id=b"\x02" * 16,
-        block_key=b"\x03" * 32,
-        codec=1,
-        size=100,
-        token_count=16,
+    block_row(
+        "ii1",
+        (b"\x01" * 32, b"\x02" * 16, b"\x03" * 32),
+        now,
         layer_count=1,
-        digest=b"\x04" * 32,
         layer_digests=b"\x05" * 32,
-        repr_sha256=b"\x06" * 32,
-        tier="host",
-        stored_at=now,
-        last_access=now,
-        refresh_due_at=now,
-    )
+    ).save()
     Directive.objects.create(
         instance="ii1",
         directive="6f1d0a9e-2c55-4d7e-9a0e-5b7f2f9f6a11",

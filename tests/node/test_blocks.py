@@ -15,7 +15,15 @@ from kvsp.container import decode
 from kvsp.reprdigest import repr_digest_header, verify_repr_digest
 from kvspsite.processes import run_manage
 from tests.node.conftest import REPLICA_TTL_MS
-from tests.node.support import BLOCK, container, layer_digests, problem, random_key, sha256
+from tests.node.support import (
+    BLOCK,
+    container,
+    layer_digests,
+    problem,
+    random_key,
+    sha256,
+)
+from tests.node.test_resharding import block_gets
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -172,6 +180,56 @@ def test_a_miss_and_another_scope_answer_alike(cluster):
     controller = n1.api(cluster.tokens["controller"])
     assert controller.get_block(cluster.compat, cluster.scope_a, key).status_code == 200
     assert n1.api(None).get_block(cluster.compat, cluster.scope_a, key).status_code == 401
+
+
+# What a loader's GET sends (the container, no Accept) is answered on the view's lean path; an
+# Accept that names more than the container goes through DRF's negotiation.
+NEGOTIATED = {"Accept": "application/kvsp-block, application/json;q=0.1"}
+# Fields that differ per response, whichever path answered it.
+PER_RESPONSE = {"date", "server", "connection", "keep-alive"}
+
+
+def answer(response) -> tuple:
+    headers = {k: v for k, v in response.headers.items() if k not in PER_RESPONSE}
+    if "cache-control" in headers:  # max-age counts down by the second
+        headers["cache-control"] = re.sub(r"max-age=\d+", "max-age=N", headers["cache-control"])
+    return response.status_code, headers, response.content
+
+
+def test_a_loaders_get_is_answered_exactly_as_a_negotiated_one_and_counted(cluster):
+    n1 = cluster.node("n1")
+    key = random_key()
+    reader = n1.api(cluster.tokens["reader_a"])
+    assert reader.put_block(cluster.compat, cluster.scope_a, key, container(8)).status_code == 201
+    block = f"blocks/{cluster.compat}/{cluster.scope_a}/{key}"
+    miss = f"blocks/{cluster.compat}/{cluster.scope_a}/{random_key()}"
+    cases = [
+        (reader, block),
+        (reader, f"{block}?layers=1-2"),
+        (reader, f"{block}?layers=0-7"),
+        (reader, f"{block}?layers=2"),
+        (reader, f"{block}?codec=9"),
+        (reader, miss),
+        (n1.api(cluster.tokens["reader_b"]), block),  # another scope: like the miss
+        (n1.api(None), block),
+        (n1.api("kvsp_not-a-token"), block),
+    ]
+    gets = block_gets(n1)
+    answers = []
+    for api, path in cases:
+        lean, negotiated = api.get(path), api.get(path, headers=NEGOTIATED)
+        assert answer(lean) == answer(negotiated), path
+        head = api.client.head(path)
+        assert answer(head)[:2] == answer(lean)[:2] and head.content == b"", path
+        answers.append(answer(lean))
+    assert [status for status, _, _ in answers] == [200, 200, 404, 400, 406, 404, 404, 401, 401]
+    assert answers[0][2] == container(8)
+    assert answers[6] == answers[5]
+    assert answers[0][1]["allow"] == "GET, PUT, HEAD, OPTIONS"
+    assert "x-frame-options" not in answers[0][1]  # a node serves no pages to frame
+    assert answers[0][1]["x-content-type-options"] == "nosniff"
+    # Every GET is counted at /metrics, whichever path answered it (HEADs apart).
+    assert block_gets(n1) - gets == 2 * len(cases)
 
 
 def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):

@@ -1,0 +1,87 @@
+"""A block GET reads its row and marks the block used (the LRU order of eviction) before it
+answers, in one statement on Postgres: the row as it was, the touch at most once a second, none
+for a scope the reader may not read, and the connection left as it was found."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from index.auth import AuthenticatedPrincipal
+from tests.node.support import block_row
+from workers import selectors
+from workers.models import StoredBlock
+
+NODE = "reads-node"
+IDS = (b"\x01" * 32, b"\x02" * 16, b"\x03" * 32)
+
+
+def principal(*scopes: bytes) -> AuthenticatedPrincipal:
+    return AuthenticatedPrincipal(
+        id=1, name="r", holder_urls=(), instance="", controller=False, scope_ids=frozenset(scopes)
+    )
+
+
+def stored(last_access) -> StoredBlock:
+    row = block_row(NODE, IDS, last_access)
+    row.save()
+    return row
+
+
+def last_access(row: StoredBlock):
+    return StoredBlock.objects.get(pk=row.pk).last_access
+
+
+# Outside a transaction, as a GET runs: the path of one statement for the read and the touch.
+@pytest.mark.django_db(transaction=True)
+def test_a_read_touches_the_block_once_a_second_and_answers_the_row_as_it_was(settings):
+    settings.KVSP_INSTANCE = NODE
+    an_hour_ago = timezone.now() - timedelta(hours=1)
+    row = stored(an_hour_ago)
+    reader = principal(IDS[1])
+
+    block = selectors.read_block(reader, *IDS)
+    assert block.pk == row.pk and block.last_access == an_hour_ago
+    touched = last_access(row)
+    assert timezone.now() - touched < timedelta(seconds=5)
+    # Within the resolution of a second the row is not written again.
+    assert selectors.read_block(reader, *IDS).last_access == touched
+    assert last_access(row) == touched
+    # The touch's commit did not wait for the WAL; the connection's own writes still do.
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone() == ("on",)
+
+    # A reader of another scope gets a miss, and the block is not marked used.
+    StoredBlock.objects.filter(pk=row.pk).update(last_access=an_hour_ago)
+    assert selectors.read_block(principal(b"\x09" * 16), *IDS) is None
+    assert last_access(row) == an_hour_ago
+    # Nor by a miss of another key.
+    assert selectors.read_block(reader, IDS[0], IDS[1], b"\x04" * 32) is None
+    assert last_access(row) == an_hour_ago
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_on_a_connection_that_died_since_the_last_request_is_answered(settings):
+    """A GET skips Django's health check of the connection kept from the last request, and
+    runs its statement again on a new connection when the kept one has died."""
+    settings.KVSP_INSTANCE = NODE
+    row = stored(timezone.now() - timedelta(hours=1))
+    reader = principal(IDS[1])
+    assert selectors.read_block(reader, *IDS).pk == row.pk
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    # What a new request does first (django.db.close_old_connections), then the database
+    # ends the kept connection, as a restart would.
+    connection.close_if_unusable_or_obsolete()
+    with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+    assert selectors.read_block(reader, *IDS).pk == row.pk
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        assert cursor.fetchone() != (pid,)
