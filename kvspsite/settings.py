@@ -319,6 +319,9 @@ KVSP_REPLICA_TTL_MS = _int_setting("KVSP_REPLICA_TTL_MS", 600_000)
 # An engine's model directory; none makes the node a storage-only holder.
 KVSP_MODEL_DIR = env.str("KVSP_MODEL_DIR", default="")
 KVSP_BLOCK_TOKENS = _int_setting("KVSP_BLOCK_TOKENS", 16)
+# Whether the worker runs its engine once, on a short prompt, before it reports that it serves
+# (off: the node's first sessions pay for the engine's first run).
+KVSP_ENGINE_WARM_UP = env.bool("KVSP_ENGINE_WARM_UP", default=True)
 # Figures a node reports until its engine has measured its own (and always without one).
 KVSP_BATCH_SIZE = _int_setting("KVSP_BATCH_SIZE", 32)
 KVSP_PREFILL_TOKENS_PER_S = _int_setting("KVSP_PREFILL_TOKENS_PER_S", 10_000)

@@ -12,10 +12,13 @@ first), and starts two threads:
   another process evicted.
 
 An engine is loaded when ``KVSP_MODEL_DIR`` names a model; without one the node is a
-storage-only holder. The engine's prefill and decode rates are measured once it is loaded and
-reported instead of the configured ones, and what it serves is written to the node's row, for
-the HTTP process to admit sessions by. Sessions a previous incarnation was serving when it
-stopped are marked failed: the PC resumes them elsewhere.
+storage-only holder. Once loaded it is warmed up (``KVSP_ENGINE_WARM_UP``): it runs a short
+prompt through each step a session takes, keeping nothing, so that the first session on the
+node does not pay for the engine's first run. Only then is what it serves written to the node's
+row, for the HTTP process to admit sessions by, and offered in the status record. Its prefill
+and decode rates are measured next and reported instead of the configured ones. Sessions a
+previous incarnation was serving when it stopped are marked failed: the PC resumes them
+elsewhere.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ class NodeRuntime:
         }
         self._engine = None
         self._engine_lock = threading.Lock()
+        # The engine's warm-up before it was published: forward passes and milliseconds (None:
+        # none ran, or it failed).
+        self.warm_up: dict | None = None
         self._threads: list[threading.Thread] = []
         self.stopping = threading.Event()
 
@@ -97,7 +103,8 @@ class NodeRuntime:
         return bool(settings.KVSP_MODEL_DIR)
 
     def engine(self):
-        """The engine adapter, loaded on first use; None for a storage-only holder."""
+        """The engine adapter, loaded (and warmed up) on first use; None for a storage-only
+        holder. The node says what it serves only once this has returned."""
         if not self.has_engine:
             return None
         with self._engine_lock:
@@ -107,6 +114,8 @@ class NodeRuntime:
                 engine = ReferenceEngine(
                     settings.KVSP_MODEL_DIR, block_tokens=settings.KVSP_BLOCK_TOKENS
                 )
+                if settings.KVSP_ENGINE_WARM_UP:
+                    self._warm_up(engine)
                 services.do_note_engine(
                     self.name,
                     {
@@ -118,6 +127,27 @@ class NodeRuntime:
                 )
                 self._engine = engine
             return self._engine
+
+    def _warm_up(self, engine) -> None:
+        """A forward pass of every kind before the engine is published, so that the first
+        session does not pay for the engine's first run. A failure is logged and the node
+        serves cold."""
+        begin = time.perf_counter()
+        try:
+            passes = engine.warm_up()
+        except Exception:
+            log.exception("node %s: the engine's warm-up failed; it serves cold", self.name)
+            return
+        self.warm_up = {
+            "forward_passes": passes,
+            "ms": (time.perf_counter() - begin) * 1000,
+        }
+        log.info(
+            "node %s: engine warmed up (%d forward passes, %.0f ms)",
+            self.name,
+            passes,
+            self.warm_up["ms"],
+        )
 
     def measure_engine(self, decode_steps: int = 32) -> dict:
         """Prefill four blocks of tokens and decode ``decode_steps`` tokens greedily, one
@@ -151,6 +181,16 @@ class NodeRuntime:
             "step_ms": [step * 1000 for step in steps],
             "started": started,
             "finished": time.time(),
+        }
+
+    def engine_state(self) -> dict:
+        """What the engine has run, without loading it: ``warm_up`` is None when no warm-up
+        ran before the engine was published (turned off, or it failed)."""
+        engine = self._engine
+        return {
+            "engine": engine is not None,
+            "warm_up": self.warm_up,
+            "forward_passes": engine.forward_passes if engine is not None else 0,
         }
 
     @property
@@ -191,7 +231,7 @@ class NodeRuntime:
             )
         if self.has_engine:
             self._threads.append(
-                threading.Thread(target=self._warm_engine, name="kvsp-engine", daemon=True)
+                threading.Thread(target=self._load_engine, name="kvsp-engine", daemon=True)
             )
         for thread in self._threads:
             thread.start()
@@ -208,7 +248,7 @@ class NodeRuntime:
         services.do_republish_all(self.name)
         return self.epoch
 
-    def _warm_engine(self) -> None:
+    def _load_engine(self) -> None:
         try:
             self.measure_engine()
         except Exception:

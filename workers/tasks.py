@@ -33,6 +33,16 @@ def measure_engine(decode_steps: int = 32) -> dict:
     return node.measure_engine(decode_steps)
 
 
+@kvsp_task(name="workers.engine_state", ignore_result=False, max_retries=0, time_limit=30)
+def engine_state() -> dict:
+    """Whether the engine is loaded, its warm-up before the node said it serves, and the
+    forward passes it has run; loads nothing."""
+    node = runtime.current()
+    if node is None:
+        raise ProtocolError("kvsp-unavailable", "this worker does not serve a node's queue")
+    return node.engine_state()
+
+
 @kvsp_task(name="workers.serve_session", max_retries=0, autoretry_for=(), time_limit=24 * 3600)
 def serve_session(session_pk: int) -> str:
     """Serve a session the instance admitted (spec 6.8): a generation or a resume. Never run

@@ -261,3 +261,21 @@ def test_a_bfloat16_engine_moves_its_cache_bit_for_bit(model_dir, engine_a):
     assert torch.equal(
         first.extend(on_first, prompt[2 * B :]), second.extend(on_second, prompt[2 * B :])
     )
+
+
+def test_warming_up_runs_every_kind_of_forward_pass_and_changes_nothing(model_dir, engine_a):
+    """The warm-up a node runs before it says that it serves (``KVSP_ENGINE_WARM_UP``): real
+    forward passes, counted, that leave the engine computing exactly what a cold one does."""
+    warmed = ReferenceEngine(model_dir, block_tokens=B, device="cpu")
+    assert warmed.forward_passes == 0
+    # A prefill, an extend after an imported block, a decoding step.
+    assert warmed.warm_up() == 3
+    assert warmed.forward_passes == 3
+
+    prompt = prompt_tokens(2 * B + 5, seed=21)
+    on_warmed, on_cold = warmed.prefill(prompt), engine_a.prefill(prompt)
+    assert warmed.forward_passes == 4
+    assert torch.equal(on_warmed.logits, on_cold.logits)
+    tokens_warmed, _ = greedy_continuation(warmed, on_warmed, 4)
+    tokens_cold, _ = greedy_continuation(engine_a, on_cold, 4)
+    assert tokens_warmed == tokens_cold and warmed.forward_passes == 8

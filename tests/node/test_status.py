@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.node.conftest import STATUS_TTL_MS
+from tests.node.conftest import STATUS_TTL_MS, Node, extra_node, start_all
 from tests.node.support import container, problem, random_key
 from tests.support.waiting import wait_until
 
@@ -254,3 +254,94 @@ def test_a_node_paused_past_its_ttl_rejoins_by_itself_as_a_new_incarnation(
     # It keeps reporting under the new epoch: nobody restarted it.
     wait_until(lambda: instance(n1.name).last_report_at > rejoined.last_report_at, "a later report")
     assert instance(n1.name).state == "active" and n1.worker.alive()
+
+
+@pytest.fixture(scope="module")
+def fresh_engines(cluster, django_db_blocker, role_env, log_dir, tmp_path_factory):
+    """Two nodes with the reference engine that nothing else uses: ``warm`` as configured by
+    default, ``cold`` with ``KVSP_ENGINE_WARM_UP=0``."""
+    run = os.urandom(3).hex()
+    scope_ids = [bytes.fromhex(cluster.scope_a), bytes.fromhex(cluster.scope_b)]
+    settings_of = {"warm": {}, "cold": {"KVSP_ENGINE_WARM_UP": "0"}}
+    nodes: dict[str, Node] = {}
+    with django_db_blocker.unblock():
+        for key, extra in settings_of.items():
+            nodes[key] = extra_node(
+                cluster,
+                role_env,
+                log_dir,
+                f"{key}-{run}",
+                scope_ids,
+                KVSP_MODEL_DIR=str(cluster.model_dir),
+                KVSP_STATUS_TTL_MS=str(STATUS_TTL_MS),
+                **extra,
+            )
+            nodes[key].http_workers = 1
+    try:
+        start_all([process for node in nodes.values() for process in node.processes()])
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
+def engine_state(node: Node) -> dict:
+    from workers.tasks import engine_state
+
+    return engine_state.apply_async(queue=node.queue).get(timeout=30)
+
+
+def serving(node: Node, compat: str) -> bool:
+    status = instance(node.name).last_status or {}
+    return status.get("compat_ids") == [compat] and "engine" not in status
+
+
+def test_a_node_says_it_serves_only_once_its_engine_has_run_and_keeps_nothing_of_it(
+    cluster, fresh_engines
+):
+    """The first session on a node does not pay for its engine's first run: by the time the node
+    reports what it serves, its engine has run real forward passes. Nothing of them is a
+    session, a block or a record."""
+    from index.models import Replica
+    from workers.models import Lease, ServedSession, StoredBlock
+
+    for node in fresh_engines.values():
+        wait_until(lambda n=node: serving(n, cluster.compat), f"{node.name} serving", 90)
+
+    warm = engine_state(fresh_engines["warm"])
+    assert warm["engine"] and warm["warm_up"]["forward_passes"] >= 1
+    assert warm["forward_passes"] >= warm["warm_up"]["forward_passes"]
+    # Turned off, the node serves all the same, cold.
+    cold = engine_state(fresh_engines["cold"])
+    assert cold["engine"] and cold["warm_up"] is None
+
+    for node in fresh_engines.values():
+        assert not ServedSession.objects.filter(instance=node.name).exists()
+        assert not StoredBlock.objects.filter(instance=node.name).exists()
+        assert not Lease.objects.filter(instance=node.name).exists()
+        assert not Replica.objects.filter(holder__url=node.url).exists()
+        assert node.host_files() == [] and node.disk_files() == []
+
+
+def test_an_engine_that_fails_to_warm_up_is_served_cold(settings, tmp_path, monkeypatch, caplog):
+    """A warm-up that fails is logged and costs nothing else: the engine is published and the
+    node serves."""
+    from workers.engines.modeldir import create_reference_model
+    from workers.engines.reference import ReferenceEngine
+    from workers.models import Node as NodeRow
+    from workers.runtime import NodeRuntime
+
+    settings.KVSP_MODEL_DIR = str(create_reference_model(tmp_path / "model"))
+    settings.KVSP_ENGINE_WARM_UP = True
+
+    def fail(engine):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(ReferenceEngine, "warm_up", fail)
+    runtime = NodeRuntime(f"warm-fails-{os.urandom(3).hex()}")
+    with caplog.at_level("ERROR", logger="workers.runtime"):
+        engine = runtime.engine()
+    assert engine is not None and runtime.runs_engine
+    assert runtime.engine_state() == {"engine": True, "warm_up": None, "forward_passes": 0}
+    assert NodeRow.objects.get(name=runtime.name).engine["compat_id"] == engine.compat_id
+    assert "warm-up failed" in caplog.text and "out of memory" in caplog.text

@@ -325,14 +325,56 @@ def _as_container(source: BlockSource, layers: int) -> Container:
     return decode(source, max_layers=layers)
 
 
+WARM_UP_TEXT = "KV caches kept beyond a request are found again and loaded before it arrives. "
+
+
 class EngineAdapter(ABC):
     """The interface a node's worker calls. Subclasses provide the model; this class provides
     the protocol side: geometry from the descriptor, containers in and out, layer-wise import.
 
     Subclasses implement ``descriptor``, ``eos_token_id``, ``tokenize``, ``detokenize``,
     ``extend``, ``block_tensors`` and ``_cache_layer``; a forward pass obtains layer l's cache
-    from ``_layer_cache``, which waits for a layer-wise import.
+    from ``_layer_cache``, which waits for a layer-wise import, and is counted by calling
+    ``_count_forward_pass`` once it has completed.
     """
+
+    _forward_passes = 0
+    _forward_passes_lock = threading.Lock()
+
+    @property
+    def forward_passes(self) -> int:
+        """The forward passes this engine has completed (prefill, extend and decode alike)."""
+        return self._forward_passes
+
+    def _count_forward_pass(self) -> None:
+        with self._forward_passes_lock:
+            self._forward_passes += 1
+
+    def warm_up(self) -> int:
+        """Run once, on a short prompt, each step a session takes, so that the first session
+        does not pay for what a first run costs (lazy imports, the allocator's first requests,
+        kernels chosen and compiled for their shapes): a prefill from position 0, the export of
+        its first block as a container, a layer-wise import of that container with a tail run
+        after it (the masked attention of a prompt whose prefix was cached) and a decoding step.
+
+        Everything stays in this call: no container leaves it and the sequences are dropped.
+        Returns the forward passes it ran."""
+        block = self.block_tokens
+        tail = max(2, block // 4)
+        tokens: list[int] = []
+        while len(tokens) < block + tail:
+            words = self.tokenize(WARM_UP_TEXT)
+            if not words:
+                raise ValueError("the warm-up text has no tokens")
+            tokens += words
+        tokens = tokens[: block + tail]
+        before = self.forward_passes
+        prefilled = self.prefill(tokens)
+        exported = self.export_blocks(prefilled, 0, 1)
+        resumed = self.import_blocks(exported, tokens=tokens[:block], compat_id=self.compat_id)
+        logits = self.extend(resumed, tokens[block:])
+        self.decode(resumed, int(logits.argmax()))
+        return self.forward_passes - before
 
     # -- identity and geometry (spec 4.1) ---------------------------------------------------------
 

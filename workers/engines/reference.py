@@ -172,6 +172,7 @@ class ReferenceEngine(EngineAdapter):
             sequence.tokens.extend(token_list)
         sequence.logits = logits
         sequence.layer_started = started
+        self._count_forward_pass()
         return logits
 
     def block_tensors(
