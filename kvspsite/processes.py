@@ -100,18 +100,23 @@ class Process:
 
 
 def stop_all(processes: list[Process], *, grace: float = 5.0) -> None:
-    """SIGTERM every process at once, then SIGKILL the groups still there after ``grace``
-    seconds: stopping many takes as long as the slowest, not their sum."""
-    for process in processes:
+    """SIGTERM every process at once, then SIGKILL every group still there after ``grace``
+    seconds, all at once too, and reap them: stopping many takes as long as the slowest, not
+    their sum."""
+    started = [process for process in processes if process.proc is not None]
+    for process in started:
         process.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
-    for process in processes:
+    lingering = []
+    for process in started:
         try:
             process.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
-            process.kill()
-        except AttributeError:  # never started
-            pass
+            lingering.append(process)
+    for process in lingering:
+        process.signal(signal.SIGKILL)
+    for process in lingering:
+        process.proc.wait()
 
 
 def server_argv(role: str, bind: str, *, workers: int, threads: int) -> tuple[list[str], dict]:
