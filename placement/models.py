@@ -72,7 +72,12 @@ class Instance(models.Model):
         """Whether placement and resume may choose the instance for a request of this compat id
         (DESIGN.md section 3): never a node without an engine, whatever its compat ids; else
         one of its registered and reported compat ids together, or any when it lists none."""
-        if not self.runs_engine:
+        return self.serves_with(compat_id_hex, engine=(self.last_status or {}).get("engine"))
+
+    def serves_with(self, compat_id_hex: str, *, engine: object) -> bool:
+        """``serves``, given the ``engine`` member of the latest status record (None when it
+        is absent): for a caller that read that member alone rather than the whole record."""
+        if engine is False:
             return False
         listed = set(self.compat_ids) | set(self.reported_compat_ids or ())
         return not listed or compat_id_hex in listed

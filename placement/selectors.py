@@ -157,10 +157,14 @@ def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
         Instance.objects.filter(state__in=states, expires_at__gt=now)
         .exclude(last_status=None)
         .only(*_PRICED_FIELDS)
-        .annotate(status_links=KeyTransform("links", "last_status"))
+        .annotate(
+            status_links=KeyTransform("links", "last_status"),
+            # The one member ``serves`` needs, so that the record itself stays unread.
+            status_engine=KeyTransform("engine", "last_status"),
+        )
     )
     for instance in live:
-        if not instance.serves(compat_id_hex):
+        if not instance.serves_with(compat_id_hex, engine=instance.status_engine):
             continue
         links = tuple(
             LinkFigures(link["holder"], link["mbit_per_s"], link["rtt_us"])

@@ -105,6 +105,21 @@ def test_an_instance_that_lists_no_compat_ids_serves_any(cluster):
     assert body(cluster.place())["name"] == "listed-none"
 
 
+def test_the_candidates_are_read_in_one_query_however_many_there_are(
+    cluster, django_assert_num_queries
+):
+    """Placement reads the fleet once, not once per instance (a status record read on its own
+    per candidate made a placement over 1,000 instances 40 ms slower)."""
+    from placement.selectors import candidates
+
+    for n in range(6):
+        up(f"engine-{n}", scope=cluster.scope, links=[link(100_000)])
+    up("store", scope=cluster.scope, engine=False)
+    with django_assert_num_queries(1):
+        found = [instance.name for instance, _ in candidates(cluster.compat)]
+    assert sorted(found) == [f"engine-{n}" for n in range(6)]
+
+
 def test_a_holder_without_an_engine_is_never_placed_whatever_its_compat_ids(cluster):
     """It would be the cheapest by far: it holds every block and computes fast."""
     for name, compat_ids in (("store", None), ("store-any", []), ("store-this", [cluster.compat])):
