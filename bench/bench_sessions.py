@@ -336,7 +336,10 @@ def ttft(fleet: Fleet, options, rng: random.Random) -> None:
             placement = place(fleet, tokens, reference)
             key = next(k for k, url in fleet.urls.items() if url == placement["instance"])
             session = str(uuid.uuid4())
-            generate(fleet, key, session, tokens, 1, request_ref=reference)
+            # As README says a front end does: the request_ref only when a directive was sent,
+            # or the node waits for one that never comes.
+            waits = {"request_ref": reference} if placement["directive"] else {}
+            generate(fleet, key, session, tokens, 1, **waits)
             loaded.append(first_token_at(session) - started)
             served = ServedSession.objects.get(session=session)
             directive = Directive.objects.filter(request_ref=reference).first()
