@@ -25,6 +25,7 @@ def embedded_env(tmp_path: Path) -> dict[str, str]:
     }
     env["KVSP_VAR_DIR"] = str(tmp_path / "launcher")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"
     return env
 
 
@@ -97,7 +98,14 @@ def test_ctrl_c_stops_every_process_within_seconds(tmp_path):
         assert len(started) >= 11  # a control plane, its worker, beat and four nodes
         interrupted = time.monotonic()
         launcher.send_signal(signal.SIGINT)
-        rest, _ = launcher.communicate(timeout=30)
+        try:
+            rest, _ = launcher.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Where it is stuck: the launcher runs with faulthandler, which prints every
+            # thread's stack on SIGABRT.
+            launcher.send_signal(signal.SIGABRT)
+            rest, _ = launcher.communicate(timeout=30)
+            pytest.fail("the launcher did not stop within 30 s after Ctrl-C:\n" + rest[-8000:])
         stopped_in = time.monotonic() - interrupted
     finally:
         if launcher.poll() is None:
