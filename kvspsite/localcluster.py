@@ -637,15 +637,19 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.control_port}/"
 
     def wait_for_interrupt(self) -> None:
+        """Until Ctrl-C or SIGTERM. Both are handled here, whatever the launcher inherited: a
+        shell starts background jobs with SIGINT ignored, and Python then leaves it so."""
         stop = []
-        previous = signal.signal(signal.SIGTERM, lambda *args: stop.append(True))
+        previous = {
+            sig: signal.signal(sig, lambda *args: stop.append(True))
+            for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             while not stop:
                 time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def stop(self) -> None:
         """Stop every process at once: SIGTERM to all, a few seconds' grace, SIGKILL to what
