@@ -636,15 +636,18 @@ class LocalCluster:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.control_port}/"
 
-    def wait_for_interrupt(self) -> None:
-        """Until Ctrl-C or SIGTERM. Both are handled here, whatever the launcher inherited: a
-        shell starts background jobs with SIGINT ignored, and Python then leaves it so."""
+    def wait_for_interrupt(self, announcement: str) -> None:
+        """Print ``announcement``, then wait for Ctrl-C or SIGTERM. Both are handled here,
+        whatever the launcher inherited (a shell starts background jobs with SIGINT ignored,
+        and Python then leaves it so), and from before the announcement: a Ctrl-C sent as soon
+        as it is read is not lost."""
         stop = []
         previous = {
             sig: signal.signal(sig, lambda *args: stop.append(True))
             for sig in (signal.SIGINT, signal.SIGTERM)
         }
         try:
+            self.console.print(announcement)
             while not stop:
                 time.sleep(0.5)
         finally:

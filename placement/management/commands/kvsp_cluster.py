@@ -52,11 +52,10 @@ class Command(BaseCommand):
             if options["json"]:
                 self.stdout.write(json.dumps(cluster.summary_json()))
             if not short:
-                cluster.console.print(
+                cluster.wait_for_interrupt(
                     f"Dashboard: {cluster.dashboard_url()}  (user {cluster.admin_user}, "
                     f"password {cluster.admin_password}); Ctrl-C stops the cluster."
                 )
-                cluster.wait_for_interrupt()
         except ClusterError as error:
             self.stderr.write(f"kvsp_cluster: {error}")
             raise SystemExit(1) from None
