@@ -76,6 +76,12 @@ def test_local_cluster_short_run(tmp_path):
     assert processes_of(cluster_dir) == []
 
 
+def _as_a_background_job() -> None:
+    # What a shell does to a job it starts in the background: the cluster must stop on
+    # Ctrl-C all the same.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_stops_every_process_within_seconds(tmp_path):
     cluster_dir = tmp_path / "c"
     launcher = subprocess.Popen(
@@ -85,6 +91,7 @@ def test_ctrl_c_stops_every_process_within_seconds(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_as_a_background_job,
     )
     try:
         output = []
