@@ -317,9 +317,7 @@ def fetch_block(
     url = f"{holder}blocks/{expected.compat_id}/{expected.scope_id}/{expected.block_key}"
     what = f"GET {url}"
     started = time.perf_counter()
-    headers = {"Accept": KVSP_BLOCK}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
+    headers = _bearer(token, {"Accept": KVSP_BLOCK})
     try:
         with connections.get(url, headers, _seconds(deadline)) as response:
             first_byte_s = time.perf_counter() - started
@@ -374,7 +372,8 @@ def fetch_block(
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("the deadline passed") from exc
         raise ProtocolError("kvsp-upstream-error", f"{what}: {exc.__class__.__name__}") from exc
-    verify_repr_digest(field, sha256=hasher.digest(), problem="kvsp-upstream-error")
+    repr_sha256 = hasher.digest()
+    verify_repr_digest(field, sha256=repr_sha256, problem="kvsp-upstream-error")
     if container.codec != expected.codec:
         raise ProtocolError(
             "kvsp-upstream-error", f"{what}: codec {container.codec}, not {expected.codec}"
@@ -390,7 +389,7 @@ def fetch_block(
     return FetchedBlock(
         container=container,
         buffer=container.buffer,
-        repr_sha256=hasher.digest(),
+        repr_sha256=repr_sha256,
         layer_digests=digests,
         first_byte_s=first_byte_s,
         elapsed_s=time.perf_counter() - started,
