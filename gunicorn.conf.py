@@ -8,6 +8,7 @@ servers that were killed are removed by the next server that starts. A directory
 environment (``PROMETHEUS_MULTIPROC_DIR``) is used as it is.
 """
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -47,6 +48,12 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 
 def post_worker_init(worker):
+    # What the application loaded lives as long as the worker: kept out of the garbage
+    # collector's full passes, each of which would hold up every request thread of the worker
+    # while it walked those objects again (workers.runtime.settle_heap does the same for a
+    # node's Celery worker).
+    gc.collect()
+    gc.freeze()
     # A worker of the control plane prices placements: compile the fetch plan as it starts.
     if os.environ.get("KVSP_ROLE", "control") == "control":
         from placement.fetchplan import warm_in_background
