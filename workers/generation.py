@@ -174,18 +174,21 @@ def serve_prompt(runtime, engine, compat_id: bytes, scope_id: bytes, keys, token
 
 
 def wait_for_directive(name: str, request_ref: str) -> Directive | None:
-    """The prefetch directive of ``request_ref`` once it has ended (or passed its deadline),
-    waiting for it to arrive for DIRECTIVE_ARRIVAL_S; None when none came. This process loads
-    directives, and notifies when one starts and when one ends (``workers.notices``)."""
+    """The prefetch directive of ``request_ref`` once it has ended (or passed its deadline) or
+    has every block in this instance's tiers (the last records may still be on their way to
+    the IS), waiting for it to arrive for DIRECTIVE_ARRIVAL_S; None when none came. This
+    process loads directives, and notifies when one starts, admits a batch and ends
+    (``workers.notices``)."""
     rows = Directive.objects.filter(instance=name, request_ref=request_ref).order_by("-received_at")
     row = notices.wait_until(rows.first, DIRECTIVE_ARRIVAL_S)
     if row is None:
         return None
     limit = row.deadline_at + timedelta(seconds=DIRECTIVE_SLACK_S)
+    wanted = len(row.body.get("blocks", ()))
 
     def ended():
         row.refresh_from_db(fields=["state", "loaded"])
-        return row.state != DirectiveState.PENDING
+        return row.state != DirectiveState.PENDING or len(row.loaded) >= wanted
 
     notices.wait_until(ended, max((limit - timezone.now()).total_seconds(), 0))
     return row

@@ -22,10 +22,12 @@ verifying its octets:
   flight together and one block's verification (hashlib releases the GIL on large buffers)
   overlaps the others' transfers;
 - the calling thread admits what the fetchers have ready to the tier store as one batch, in one
-  transaction under one lock of the node, publishes the batch's records (``publish_all``)
-  and reports the batch (a directive's progress is one UPDATE per batch); while it does, the
-  fetchers go on, so the next batch is whatever arrived meanwhile, and at least one block per
-  fetcher still running when they bring them within ``BATCH_WAIT_S``.
+  transaction under one lock of the node, reports the batch (a directive's progress is one
+  UPDATE per batch, and a generation waiting for the blocks may use them from then on) and
+  publishes its records (``publish_all``); while it does, the fetchers go on, so the next batch
+  is whatever arrived meanwhile, and at least one block per fetcher still running when they
+  bring them within ``BATCH_WAIT_S``. (Publishing from a thread of its own, beside the next
+  admission, was slower: the two contend for the node's lock.)
 
 Loading stops at the deadline, at a block no source can serve (keys are chained, 4.2: the blocks
 after it are of no use to a prefix) or, for a reshard move, when the move is decided meanwhile;
@@ -275,10 +277,10 @@ class Loader:
             keys = [arrival.wanted.block_key for arrival in batch]
             with self._lock:
                 self.loaded.update(keys)
-            if self.pending_move_id is None:
-                services.publish_all(stored)
             if self.on_batch is not None:
                 self.on_batch(keys)
+            if self.pending_move_id is None:
+                services.publish_all(stored)
         finally:
             for arrival in batch:
                 tiers.unlink_quietly(arrival.block.spool)

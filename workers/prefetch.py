@@ -89,9 +89,11 @@ class DirectiveRun:
         return self.finish(DirectiveEvent.LOAD_FAILED, self.failure.detail())
 
     def _progress(self, keys: list[str]) -> None:
-        """A batch was admitted and published: the directive's resource says so (one UPDATE)."""
+        """A batch was admitted: the directive's resource says so (one UPDATE), and a
+        generation waiting for these blocks is woken (its records are published meanwhile)."""
         self.loaded.update(keys)
         Directive.objects.filter(pk=self.row.pk).update(loaded=self._loaded_in_order())
+        notices.notify()
 
     def _all_loaded(self) -> bool:
         return all(key in self.loaded for key in self.directive.block_keys)
