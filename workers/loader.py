@@ -158,7 +158,6 @@ class Loader:
             first = next((s for s in item.sources if s != settings.KVSP_PUBLIC_URL), None)
             if first is not None:
                 self._lease_keys.setdefault(first, []).append(item.block_key)
-        self._expect([item.block_key for item in self.wanted])
         work = iter(self.wanted)
         work_lock = threading.Lock()
         count = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(self.wanted)))
@@ -168,6 +167,17 @@ class Loader:
         # kept-alive connections that read each body straight into its container's buffer.
         self._connections = fetch.BlockConnections()
         with peer_client(token="") as client, self._connections:
+            # Each source's token and lease are asked for while the IS is asked for the
+            # records: the first GETs wait for neither round trip after the other.
+            leasing = [
+                threading.Thread(
+                    target=self._lease_ahead, args=(client, source), name=f"{self.label}-lease"
+                )
+                for source in self._lease_keys
+            ]
+            for thread in leasing:
+                thread.start()
+            self._expect([item.block_key for item in self.wanted])
             threads = [
                 threading.Thread(
                     target=self._fetcher,
@@ -184,7 +194,7 @@ class Loader:
             finally:
                 self._stop.set()
                 self._discard_arrivals()
-                for thread in threads:
+                for thread in threads + leasing:
                     thread.join()
                 for source, lease in self._leases.items():
                     if lease is not None:
@@ -348,6 +358,16 @@ class Loader:
             with self._lock:
                 self._expected[block_key] = records
         return records.get(source)
+
+    def _lease_ahead(self, client, source: str) -> None:
+        try:
+            self._lease_at(client, source)
+        except fetch.DeadlineExpired:
+            pass  # the fetchers see it too
+        except Exception:  # noqa: BLE001 - a fetcher that needs the lease asks again
+            log.exception("%s: the lease at %s could not be asked for", self.label, source)
+        finally:
+            connections.close_all()
 
     def _lease_at(self, client, source: str) -> fetch.Lease | None:
         """The lease at ``source`` for every block that lists it first, taken once; None when
