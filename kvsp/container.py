@@ -653,10 +653,6 @@ class ContainerStreamReader:
     straight into the reader's buffer, e.g. with ``socket.recv_into``. Either returns the layers
     that became complete, in ascending order. ``finish()`` checks nothing is missing and
     returns the :class:`Container`. After an error every call raises it again.
-
-    ``allocate(size)``, when given, supplies the container's buffer once its size is known (a
-    writable buffer of exactly ``size`` octets, for example a memory map of the file the
-    container is to be kept in), so that received octets are written nowhere else.
     """
 
     def __init__(
@@ -667,7 +663,6 @@ class ContainerStreamReader:
         expected_layer_digests: Sequence[bytes | str] | None = None,
         expected_first_layer: int | None = None,
         compute_digests: bool = True,
-        allocate: Callable[[int], Buffer] | None = None,
     ):
         if max_size < FIXED_HEADER_SIZE:
             raise ValueError(f"max_size must be at least {FIXED_HEADER_SIZE} octets")
@@ -686,7 +681,6 @@ class ContainerStreamReader:
         self._expected_first_layer = expected_first_layer
         self._expected: list[bytes] | None = None
         self._hashing = compute_digests or expected_layer_digests is not None
-        self._allocate = allocate
 
         self._buffer = bytearray(FIXED_HEADER_SIZE)
         self._view = memoryview(self._buffer)
@@ -842,20 +836,17 @@ class ContainerStreamReader:
         _check_raw_layout(self.codec, self.first_layer, self.token_count, table)
         self.header_size = table_end
         self.size = self._offsets[-1]
-        self._replace_buffer(self.size, self._allocate)
+        self._replace_buffer(self.size)
         self._hash_position = table_end
         self._state = _DATA
 
-    def _replace_buffer(self, size: int, allocate: Callable[[int], Buffer] | None = None) -> None:
+    def _replace_buffer(self, size: int) -> None:
         # Only the header (at most one length table) is ever copied; the data go straight
         # into the final buffer.
-        buffer = bytearray(size) if allocate is None else allocate(size)
-        view = memoryview(buffer).cast("B")
-        if view.readonly or len(view) != size:
-            raise ValueError(f"allocate({size}) must give a writable buffer of {size} octets")
-        view[: self._filled] = self._view[: self._filled]
+        buffer = bytearray(size)
+        buffer[: self._filled] = self._view[: self._filled]
         self._buffer = buffer
-        self._view = view
+        self._view = memoryview(buffer)
         self._target = size
 
     def _complete_layers(self) -> list[Layer]:

@@ -14,7 +14,7 @@ import http.client
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -24,7 +24,6 @@ import orjson
 
 from kvsp.container import (
     MEDIA_TYPE,
-    Buffer,
     Container,
     ContainerStreamReader,
     store_headers,
@@ -192,7 +191,7 @@ class BlockConnections:
 
     @contextmanager
     def get(self, url: str, headers: dict[str, str], timeout: float) -> Iterator[_Response]:
-        """GET ``url``; the response, whose body the caller reads with ``readinto``. The
+        """GET ``url``; the response, whose body the caller reads with ``read1``. The
         connection goes back to the idle ones only when its response was read to the end."""
         parts = urlsplit(url)
         if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
@@ -266,10 +265,9 @@ class _Response:
         """The body was read to its end and the origin keeps the connection open."""
         return self._raw.isclosed() and not self._raw.will_close and not self._abandoned
 
-    def readinto(self, target: memoryview) -> int:
-        """Read the body into ``target`` until it is full or the body ends; the octets read.
-        Past what the client buffered, the socket writes into ``target`` itself."""
-        return self._raw.readinto(target)
+    def read1(self, limit: int) -> bytes:
+        """What one read of the socket gives of the body, at most ``limit`` octets."""
+        return self._raw.read1(limit)
 
     def read_all(self, limit: int = 1 << 16) -> bytes:
         """The (short) body of an answer that is not a block, at most ``limit`` octets."""
@@ -302,7 +300,6 @@ def fetch_block(
     max_size: int,
     token: str | None = None,
     deadline: float | None = None,
-    allocate: Callable[[int], Buffer] | None = None,
 ) -> FetchedBlock:
     """GET the whole block from ``holder`` and verify it against ``expected``, the holder's
     Replica Record at the IS (6.7). Raises SourceMiss for a 404, ProtocolError for anything
@@ -312,8 +309,6 @@ def fetch_block(
     The body goes into the container's own buffer a piece at a time, as the socket delivers it;
     each layer's digest is checked as the layer completes and the representation's as each
     piece arrives, so each octet is copied once and hashed once for each digest it is under.
-    ``allocate`` supplies that buffer once the container's size is known (``tiers.MappedSpool``:
-    the file the block is to be kept in).
     """
     if expected.layer_digests is None:
         raise ProtocolError(
@@ -350,21 +345,20 @@ def fetch_block(
                 max_layers=len(expected.layer_digests),
                 expected_layer_digests=expected.layer_digests,
                 expected_first_layer=0,
-                allocate=allocate,
             )
             hasher = ReprDigestHasher()
             while True:
                 target = reader.get_buffer()
                 if not target:
                     break
-                # Up to CHUNK octets at a time, straight into the container's buffer: a body
-                # that trickles is seen to pass the deadline between its pieces.
-                target = target[:CHUNK]
-                count = response.readinto(target)
-                if not count:
+                # What the socket has, up to what the container still needs: a body that
+                # trickles is seen to pass the deadline between its pieces.
+                piece = response.read1(min(len(target), CHUNK))
+                if not piece:
                     break  # the body ended early: ``finish`` says what is missing
-                hasher.update(target[:count])
-                reader.buffer_updated(count)
+                target[: len(piece)] = piece
+                hasher.update(piece)
+                reader.buffer_updated(len(piece))
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExpired("the deadline passed")
             if response.read_all(1):

@@ -3,13 +3,12 @@ the blocks of a resumed session (6.8, which the node loads as a directive), and 
 fetch ranges (6.9).
 
 Per block, in the order given, at the first listed source that can serve it: hold a lease (6.6),
-retrieve the block in ascending layer order, straight into a spool file in the host tier
-(``tiers.MappedSpool``), verify it against that source's Replica Record from the Index Service
-(Repr-Digest, each layer digest, the replica digest), and hand it on. A 404 at a source is a miss; a
-block that fails at one source is tried at the next; nothing of a refused block is kept. What a
-source is sent carries a delegated token for the directive's scope at that source (DESIGN.md section
-6), never the node's own token: a source that is not what it claims learns nothing it could use
-elsewhere.
+retrieve the block in ascending layer order and verify it against that source's Replica Record
+from the Index Service (Repr-Digest, each layer digest, the replica digest), write it to a spool
+file in the host tier, and hand it on. A 404 at a source is a miss; a block that fails at one
+source is tried at the next; nothing of a refused block is kept. What a source is sent carries a
+delegated token for the directive's scope at that source (DESIGN.md section 6), never the node's
+own token: a source that is not what it claims learns nothing it could use elsewhere.
 
 The protocol's work is batched, so that the cost per block approaches that of moving and
 verifying its octets:
@@ -411,7 +410,6 @@ class Loader:
         ahead = self._lease_at(client, source)
         token = self._token(source)
         lease = None
-        spool = tiers.MappedSpool(self.instance)
         try:
             if ahead is None or block_key not in ahead.grant.block_keys:
                 request = LeaseRequest(
@@ -430,7 +428,6 @@ class Loader:
                 max_size=settings.KVSP_MAX_BLOCK_OCTETS,
                 token=token,
                 deadline=self.deadline,
-                allocate=spool.allocate,
             )
             if self.check is not None:
                 self.check(fetched)
@@ -439,16 +436,12 @@ class Loader:
             if self.pending_move_id is None:
                 install = services.prepare_device_copy(ids, fetched.container, self.device_tier)
         except ProtocolError as exc:
-            spool.discard()
             log.warning(
                 "%s: block %s from %s refused: %s", self.label, block_key, source, exc.detail
             )
             if exc.problem == "kvsp-unauthenticated":
                 control.forget_delegated_token(self.scope_id, source)
             raise _Refused(exc.detail) from exc
-        except BaseException:
-            spool.discard()
-            raise
         finally:
             if lease is not None:
                 fetch.release_lease(client, lease, token=token)
@@ -460,5 +453,6 @@ class Loader:
             layer_digests=fetched.layer_digests,
             repr_sha256=fetched.repr_sha256,
         )
+        spool = tiers.write_spool(self.instance, [fetched.buffer])
         self.links.add(source, fetched.transfer)
-        return services.LoadedBlock(ids, spool.path, fields, install)
+        return services.LoadedBlock(ids, spool, fields, install)

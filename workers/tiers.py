@@ -108,34 +108,6 @@ def write_spool(instance: str, parts: Iterable) -> Path:
         return Path(spool.name)
 
 
-class MappedSpool:
-    """A spool file in the host tier that a block is received into through a memory map, so
-    that the octets the socket delivers land in the file the tier store keeps, copied nowhere
-    else. The file exists from ``allocate`` on; ``path`` is None before.
-
-    The map lives as long as the buffers over it (the container's views, and a CPU device
-    tier's tensors, which share them); the file is renamed into place on admission, which a
-    map does not notice, or discarded.
-    """
-
-    def __init__(self, instance: str):
-        self.instance = instance
-        self.path: Path | None = None
-
-    def allocate(self, size: int) -> mmap.mmap:
-        """The file, ``size`` octets long, mapped writable."""
-        if self.path is not None:
-            raise ValueError("a spool is allocated once")
-        with new_spool(self.instance) as spool:
-            self.path = Path(spool.name)
-            os.ftruncate(spool.fileno(), size)
-            return mmap.mmap(spool.fileno(), size)
-
-    def discard(self) -> None:
-        if self.path is not None:
-            unlink_quietly(self.path)
-
-
 def place_file(source: Path, target: Path) -> None:
     """Move a file into place: a rename within one file system, else a copy (``sendfile`` in
     the kernel) to a temporary name and a rename, so that ``target`` is never partial."""

@@ -634,31 +634,3 @@ def test_stream_reader_rejects_malformed_expected_digests_at_once():
     with pytest.raises(ProtocolError) as caught:
         kvb.ContainerStreamReader(max_size=1 << 10, expected_layer_digests=["00" * 31])
     assert caught.value.problem == "kvsp-invalid-record"
-
-
-def test_a_stream_reader_receives_into_the_buffer_it_is_given():
-    data = kvb.encode(kvb.RAW_CODEC, 0, 2, [(os.urandom(8), os.urandom(8)) for _ in range(3)])
-    given = []
-
-    def allocate(size: int) -> bytearray:
-        given.append(bytearray(size))
-        return given[-1]
-
-    reader = kvb.ContainerStreamReader(max_size=len(data), allocate=allocate)
-    for start in range(0, len(data), 5):
-        reader.feed(data[start : start + 5])
-    container = reader.finish()
-    # One buffer, asked for once the container's size is known, and holding all of it.
-    assert [len(buffer) for buffer in given] == [len(data)]
-    assert bytes(given[0]) == data
-    assert container.buffer.obj is given[0]
-
-
-@pytest.mark.parametrize(
-    "wrong", [lambda size: bytearray(size - 1), lambda size: bytes(size)], ids=["short", "readonly"]
-)
-def test_a_stream_reader_refuses_a_buffer_it_cannot_fill(wrong):
-    data = kvb.encode(kvb.RAW_CODEC, 0, 2, [(os.urandom(8), os.urandom(8))])
-    reader = kvb.ContainerStreamReader(max_size=len(data), allocate=wrong)
-    with pytest.raises(ValueError, match="writable buffer"):
-        reader.feed(data)

@@ -11,7 +11,7 @@ import pytest
 from kvsp.problems import ProtocolError
 from kvsp.records import ReplicaRecord
 from tests.node.support import StandinHolder, container, random_key
-from workers import fetch, tiers
+from workers import fetch
 
 COMPAT = os.urandom(32).hex()
 SCOPE = os.urandom(16).hex()
@@ -42,19 +42,6 @@ def test_blocks_come_over_one_kept_alive_connection_verified(holder):
             assert [d.hex() for d in fetched.layer_digests] == list(record.layer_digests)
     assert holder.connections == 1
     assert {authorization for _, _, authorization in holder.received} == {"Bearer t"}
-
-
-def test_a_block_is_received_into_the_spool_file_it_will_be_kept_in(holder, settings, tmp_path):
-    settings.KVSP_SHM_DIR = tmp_path
-    record = held(holder, 7)
-    spool = tiers.MappedSpool("n-fetch")
-    with fetch.BlockConnections() as connections:
-        fetched = get(connections, holder, record, allocate=spool.allocate)
-    # The container's buffer is the file's map: what was verified is what the file holds.
-    assert spool.path.parent == tmp_path / "n-fetch"
-    assert spool.path.read_bytes() == holder.blocks[record.block_key] == bytes(fetched.buffer)
-    spool.discard()
-    assert not spool.path.exists()
 
 
 def test_a_token_given_per_request_replaces_the_connections_own(holder):
