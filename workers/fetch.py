@@ -191,7 +191,7 @@ class BlockConnections:
 
     @contextmanager
     def get(self, url: str, headers: dict[str, str], timeout: float) -> Iterator[_Response]:
-        """GET ``url``; the response, whose body the caller reads with ``read1``. The
+        """GET ``url``; the response, whose body the caller reads with ``readinto``. The
         connection goes back to the idle ones only when its response was read to the end."""
         parts = urlsplit(url)
         if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
@@ -265,9 +265,10 @@ class _Response:
         """The body was read to its end and the origin keeps the connection open."""
         return self._raw.isclosed() and not self._raw.will_close and not self._abandoned
 
-    def read1(self, limit: int) -> bytes:
-        """What one read of the socket gives of the body, at most ``limit`` octets."""
-        return self._raw.read1(limit)
+    def readinto(self, target: memoryview) -> int:
+        """Read the body into ``target`` until it is full or the body ends; the octets read.
+        Past what the client buffered, the socket writes into ``target`` itself."""
+        return self._raw.readinto(target)
 
     def read_all(self, limit: int = 1 << 16) -> bytes:
         """The (short) body of an answer that is not a block, at most ``limit`` octets."""
@@ -351,14 +352,14 @@ def fetch_block(
                 target = reader.get_buffer()
                 if not target:
                     break
-                # What the socket has, up to what the container still needs: a body that
-                # trickles is seen to pass the deadline between its pieces.
-                piece = response.read1(min(len(target), CHUNK))
-                if not piece:
+                # Up to CHUNK octets at a time, straight into the container's buffer: a body
+                # that trickles is seen to pass the deadline between its pieces.
+                target = target[:CHUNK]
+                count = response.readinto(target)
+                if not count:
                     break  # the body ended early: ``finish`` says what is missing
-                target[: len(piece)] = piece
-                hasher.update(piece)
-                reader.buffer_updated(len(piece))
+                hasher.update(target[:count])
+                reader.buffer_updated(count)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExpired("the deadline passed")
             if response.read_all(1):
