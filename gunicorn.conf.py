@@ -52,7 +52,6 @@ def post_worker_init(worker):
     # collector's full passes, each of which would hold up every request thread of the worker
     # while it walked those objects again (workers.runtime.settle_heap does the same for a
     # node's Celery worker).
-    gc.collect()
     gc.freeze()
     # A worker of the control plane prices placements: compile the fetch plan as it starts.
     if os.environ.get("KVSP_ROLE", "control") == "control":
