@@ -37,8 +37,12 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NoReturn, Self, TypeVar
+from typing import Annotated, Any, ClassVar, NoReturn, Self, TypeVar
 from urllib.parse import SplitResult, urlsplit
+
+import msgspec
+import msgspec.inspect
+import msgspec.structs
 
 from kvsp.container import DIGEST_PREFIX, joined_replica_digest
 from kvsp.hexids import is_hex, parse_uuid
@@ -584,37 +588,179 @@ def _thaw(value: Any) -> Any:
     return value
 
 
+# --- Records as msgspec structs ----------------------------------------------------------------
+#
+# A record defined as a frozen ``msgspec.Struct`` is decoded and bounded in C: each member's
+# type carries its bounds and, as its ``description``, the rule a value that breaks them is told
+# (``_rule``); the struct's ``__post_init__`` checks what spans members, on decoding and when code
+# builds the record. ``_decode`` turns msgspec's errors into ``InvalidRecord`` with the member's
+# path and rule, as the hand-written records do.
+
+
+def _rule(description: str, **bounds: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=description, **bounds)
+
+
+class _BrokenRule(InvalidRecord, ValueError):
+    """A rule broken inside a struct's ``__post_init__``. It is a ValueError so that msgspec,
+    decoding a nested struct, adds the path of that struct to it (``_decode`` joins the two)."""
+
+
+def _broken(path: Path, message: str, related: Path | None = None) -> NoReturn:
+    raise _BrokenRule(path, message, related)
+
+
+_ERROR_PATH = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+
+
+def _error_path(where: str) -> Path:
+    return tuple(name if name else int(index) for name, index in _ERROR_PATH.findall(where))
+
+
+def _field_type(info: Any, segment: str | int) -> Any:
+    info = _unwrapped(info)
+    if isinstance(info, msgspec.inspect.StructType):
+        return next((f.type for f in info.fields if f.encode_name == segment), None)
+    if isinstance(info, msgspec.inspect.TupleType) and isinstance(segment, int):
+        return info.item_types[segment] if segment < len(info.item_types) else None
+    return getattr(info, "item_type", None)
+
+
+def _unwrapped(info: Any) -> Any:
+    """The type inside a nullable union and its metadata."""
+    while True:
+        if isinstance(info, msgspec.inspect.Metadata):
+            info = info.type
+        elif isinstance(info, msgspec.inspect.UnionType):
+            others = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+            if len(others) != 1:
+                return info
+            info = others[0]
+        else:
+            return info
+
+
+def _description(info: Any) -> str | None:
+    while info is not None:
+        if isinstance(info, msgspec.inspect.Metadata):
+            described = (info.extra_json_schema or {}).get("description")
+            if described:
+                return described
+            info = info.type
+        elif isinstance(info, msgspec.inspect.UnionType):
+            found = (_description(t) for t in info.types)
+            return next((d for d in found if d), None)
+        else:
+            return None
+    return None
+
+
+@functools.cache
+def _type_info(cls: type) -> Any:
+    return msgspec.inspect.type_info(cls)
+
+
+def _invalid(cls: type, error: msgspec.ValidationError) -> InvalidRecord:
+    message, at, where = str(error).rpartition(" - at `$")
+    if not at:
+        message, where = str(error), ""
+    path = _error_path(where.rstrip("`"))
+    cause = error.__cause__
+    if isinstance(cause, InvalidRecord):
+        return InvalidRecord(*_joined(path, cause))
+    missing = re.fullmatch(r"Object missing required field `(.+)`", message)
+    if missing:
+        return InvalidRecord((*path, missing.group(1)), "required member is missing")
+    if message.startswith("Expected `object`"):
+        return InvalidRecord(path, "must be a JSON object")
+    info: Any = _type_info(cls)
+    for segment in path:
+        info = _field_type(info, segment) if info is not None else None
+    return InvalidRecord(path, _description(info) or message[:1].lower() + message[1:])
+
+
+def _joined(prefix: Path, error: InvalidRecord) -> tuple:
+    related = None if error.related is None else (*prefix, *error.related)
+    return (*prefix, *error.path), error.message, related
+
+
+def _decode(cls: type[S], obj: object, limits: Limits, bounded: tuple[str, ...] = ()) -> S:
+    """``obj``, a decoded JSON value, as a record of ``cls``; the members named in ``bounded``
+    are arrays bounded by ``limits.max_layers`` before any of their entries is looked at."""
+    if not isinstance(obj, dict):
+        raise InvalidRecord((), f"a {cls.NAME} must be a JSON object")
+    for name in bounded:
+        value = obj.get(name)
+        if isinstance(value, list | tuple) and len(value) > limits.max_layers:
+            _fail((name,), f"has {len(value)} entries; at most {limits.max_layers} are accepted")
+    try:
+        return msgspec.convert(obj, cls)
+    except msgspec.ValidationError as error:
+        raise _invalid(cls, error) from None
+    except _BrokenRule as error:  # a rule of the outermost struct, raised as itself
+        raise InvalidRecord(*_joined((), error)) from None
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+_HEX16_RULE = "must be hex16: 32 lowercase hex digits"
+_HEX32_RULE = "must be hex32: 64 lowercase hex digits"
+_DIGEST_RULE = 'must be "sha-256:" followed by 64 lowercase hex digits'
+_NAMESPACE_RULE = "must be unpadded base64url of five length-prefixed namespace fields"
+Hex16 = Annotated[str, _rule(_HEX16_RULE, min_length=32, max_length=32)]
+Hex32 = Annotated[str, _rule(_HEX32_RULE, min_length=64, max_length=64)]
+Digest = Annotated[str, _rule(_DIGEST_RULE, min_length=72, max_length=72)]
+LayerIndex = Annotated[
+    int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)
+]
+_RATE_RULE = f"must be a number greater than 0 and at most {MAX_SAFE_INTEGER}"
+Rate = (
+    Annotated[int, _rule(_RATE_RULE, gt=0, le=MAX_SAFE_INTEGER)]
+    | Annotated[float, _rule(_RATE_RULE, gt=0, le=MAX_SAFE_INTEGER)]
+)
+
+
+def _lower_hex(value: str) -> bytes | None:
+    """The octets of ``value`` when it is lowercase hex, else None."""
+    try:
+        octets = bytes.fromhex(value)
+    except ValueError:
+        return None
+    # fromhex also takes upper case and spaces; what hex() gives back is neither.
+    return octets if octets.hex() == value else None
+
+
 # --- Replica Record (4.4) ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ResidencyEntry(Record):
+class ResidencyEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """Which layers of a replica reside in one tier, and how fast the holder reads that tier."""
 
     NAME: ClassVar[str] = "residency entry"
 
-    tier: str
-    layers: tuple[int, int]  # inclusive
-    read_mbit_per_s: int | float | None = None
+    tier: Annotated[
+        str,
+        _rule(
+            "must be a lowercase tier name such as " + ", ".join(KNOWN_TIERS),
+            pattern=f"^{_TIER_NAME.pattern}$",
+        ),
+    ]
+    layers: Annotated[tuple[LayerIndex, LayerIndex], _rule("must be [first, last]")]  # inclusive
+    read_mbit_per_s: Rate | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.tier, str) and _TIER_NAME.fullmatch(self.tier)):
-            _fail(("tier",), "must be a lowercase tier name such as " + ", ".join(KNOWN_TIERS))
-        _check_layer_range(self.layers, ("layers",))
-        if self.read_mbit_per_s is not None:
-            _check_number(self.read_mbit_per_s, ("read_mbit_per_s",), positive=True)
+        if self.layers[0] > self.layers[1]:
+            _broken(
+                ("layers",), "the first layer must not be after the last (ranges are inclusive)"
+            )
 
     @property
     def layer_count(self) -> int:
         return self.layers[1] - self.layers[0] + 1
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            tier=_required(obj, "tier"),
-            layers=_pair(_required(obj, "layers")),
-            read_mbit_per_s=_optional(obj, "read_mbit_per_s"),
-        )
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _decode(cls, obj, limits)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tier": self.tier, "layers": list(self.layers)}
@@ -623,8 +769,7 @@ class ResidencyEntry(Record):
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaRecord(Record):
+class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     """A replica of one block at one holder (4.4, 6.1).
 
     ``residency`` is required and non-empty: a holder always knows where it keeps a replica, and
@@ -637,65 +782,118 @@ class ReplicaRecord(Record):
 
     NAME: ClassVar[str] = "Replica Record"
 
-    block_key: str
-    compat_id: str
-    scope_id: str
-    holder: str
-    codec: int
-    size: int
-    digest: str
-    residency: tuple[ResidencyEntry, ...]
-    ttl_ms: int
-    layer_digests: tuple[str, ...] | None = None
-    moqt_namespace: str | None = None
+    block_key: Hex32
+    compat_id: Hex32
+    scope_id: Hex16
+    holder: Annotated[str, _rule("must be a URL string")]
+    codec: Annotated[int, _rule(f"must be an integer from 1 to {UINT16_MAX}", ge=1, le=UINT16_MAX)]
+    size: Annotated[
+        int, _rule(f"must be an integer from 0 to {MAX_SAFE_INTEGER}", ge=0, le=MAX_SAFE_INTEGER)
+    ]
+    digest: Digest
+    residency: Annotated[
+        tuple[ResidencyEntry, ...],
+        _rule("must be a non-empty array of residency entries", min_length=1),
+    ]
+    ttl_ms: Annotated[
+        int, _rule(f"must be an integer from 1 to {MAX_SAFE_INTEGER}", ge=1, le=MAX_SAFE_INTEGER)
+    ]
+    layer_digests: (
+        Annotated[tuple[Hex32, ...], _rule("must be a non-empty array of hex32", min_length=1)]
+        | None
+    ) = None
+    moqt_namespace: Annotated[str, _rule(_NAMESPACE_RULE)] | None = None
 
     def __post_init__(self) -> None:
-        _check_hex(self.block_key, ("block_key",), 32)
-        _check_hex(self.compat_id, ("compat_id",), 32)
-        _check_hex(self.scope_id, ("scope_id",), 16)
-        _check_holder(self.holder, ("holder",))
-        _check_int(self.codec, ("codec",), 1, UINT16_MAX)
-        _check_int(self.size, ("size",))
-        _check_digest(self.digest, ("digest",))
-        _check_int(self.ttl_ms, ("ttl_ms",), 1)
+        # Every identifier and digest is converted at once, in C: the lengths are the types'
+        # bounds, and each member is looked at on its own only to name the one that is wrong.
+        layers_hex = "".join(self.layer_digests) if self.layer_digests is not None else ""
+        octets = _lower_hex(
+            self.block_key + self.compat_id + self.scope_id + self.digest[8:] + layers_hex
+        )
+        if octets is None:
+            self._name_broken_hex()
+        if not self.digest.startswith(DIGEST_PREFIX):
+            _broken(("digest",), _DIGEST_RULE)
+        holder_rule = holder_url_rule_broken(self.holder)
+        if holder_rule is not None:
+            _broken(("holder",), holder_rule)
         if self.layer_digests is not None:
-            _check_hex_list(self.layer_digests, ("layer_digests",), 32, non_empty=True)
-            # Checked as hex above, so one conversion of the joined list is exact.
-            joined = bytes.fromhex("".join(self.layer_digests))
+            joined = octets[112:]
             if not hmac.compare_digest(joined_replica_digest(joined), self.digest):
-                _fail(("layer_digests",), "do not reproduce digest (4.3)")
-        _check_tuple(self.residency, ("residency",), non_empty=True)
+                _broken(("layer_digests",), "do not reproduce digest (4.3)")
+        if not isinstance(self.residency, tuple):
+            _broken(("residency",), "must be an array")
         for index, entry in enumerate(self.residency):
             if not isinstance(entry, ResidencyEntry):
-                _fail(("residency", index), "must be a residency entry")
-        overlap = _first_overlap(
-            [(e.layers[0], e.layers[1], ("residency", i)) for i, e in enumerate(self.residency)],
-            inclusive=True,
-        )
-        if overlap:
-            _fail((*overlap[0], "layers"), "overlaps {related}", (*overlap[1], "layers"))
+                _broken(("residency", index), "must be a residency entry")
+        if len(self.residency) > 1:
+            overlap = _first_overlap(
+                [
+                    (e.layers[0], e.layers[1], ("residency", i))
+                    for i, e in enumerate(self.residency)
+                ],
+                inclusive=True,
+            )
+            if overlap:
+                _broken((*overlap[0], "layers"), "overlaps {related}", (*overlap[1], "layers"))
         if self.layer_digests is not None:
             count = len(self.layer_digests)
             for index, entry in enumerate(self.residency):
                 if entry.layers[1] >= count:
-                    _fail(
+                    _broken(
                         ("residency", index, "layers"),
                         f"layer {entry.layers[1]} is beyond the {count} layers of layer_digests",
                     )
         if is_moqt_holder(self.holder):
             if self.moqt_namespace is None:
-                _fail(("moqt_namespace",), "is required when the holder is a moqt URI")
+                _broken(("moqt_namespace",), "is required when the holder is a moqt URI")
             if parse_moqt_namespace(self.moqt_namespace) is None:
-                _fail(
-                    ("moqt_namespace",),
-                    "must be unpadded base64url of five length-prefixed namespace fields",
-                )
+                _broken(("moqt_namespace",), _NAMESPACE_RULE)
         elif self.moqt_namespace is not None:
-            _fail(("moqt_namespace",), "is only allowed when the holder is a moqt URI")
+            _broken(("moqt_namespace",), "is only allowed when the holder is a moqt URI")
+
+    def _name_broken_hex(self) -> NoReturn:
+        for path, value, rule in (
+            (("block_key",), self.block_key, _HEX32_RULE),
+            (("compat_id",), self.compat_id, _HEX32_RULE),
+            (("scope_id",), self.scope_id, _HEX16_RULE),
+            (("digest",), self.digest[8:], _DIGEST_RULE),
+            *(
+                (("layer_digests", i), d, _HEX32_RULE)
+                for i, d in enumerate(self.layer_digests or ())
+            ),
+        ):
+            if _lower_hex(value) is None:
+                _broken(path, rule)
+        raise AssertionError("the joined hex was wrong, so one of its parts is")
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _decode(cls, obj, limits, bounded=("layer_digests", "residency"))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "block_key": self.block_key,
+            "compat_id": self.compat_id,
+            "scope_id": self.scope_id,
+            "holder": self.holder,
+            "codec": self.codec,
+            "size": self.size,
+            "digest": self.digest,
+        }
+        if self.layer_digests is not None:
+            out["layer_digests"] = list(self.layer_digests)
+        out["residency"] = [entry.to_json() for entry in self.residency]
+        out["ttl_ms"] = self.ttl_ms
+        if self.moqt_namespace is not None:
+            out["moqt_namespace"] = self.moqt_namespace
+        return out
 
     def with_ttl(self, ttl_ms: int) -> ReplicaRecord:
         """The same record with another ``ttl_ms`` (the IS caps it at its maximum, 6.1)."""
-        return dataclasses.replace(self, ttl_ms=ttl_ms)
+        _check_int(ttl_ms, ("ttl_ms",), 1)
+        return msgspec.structs.replace(self, ttl_ms=ttl_ms)
 
     @property
     def block_key_bytes(self) -> bytes:
@@ -768,48 +966,6 @@ class ReplicaRecord(Record):
                 "kvsp-layers-unavailable", f"the replica does not hold layers {first}-{last}"
             )
         return self.layer_digests[first : last + 1]
-
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            block_key=_required(obj, "block_key"),
-            compat_id=_required(obj, "compat_id"),
-            scope_id=_required(obj, "scope_id"),
-            holder=_required(obj, "holder"),
-            codec=_required(obj, "codec"),
-            size=_required(obj, "size"),
-            digest=_required(obj, "digest"),
-            layer_digests=_optional(
-                obj, "layer_digests", lambda v: _array(v, ("layer_digests",), limits.max_layers)
-            ),
-            residency=_nested_list(
-                ResidencyEntry,
-                _required(obj, "residency"),
-                ("residency",),
-                limits.max_layers,
-                limits,
-            ),
-            ttl_ms=_required(obj, "ttl_ms"),
-            moqt_namespace=_optional(obj, "moqt_namespace"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "block_key": self.block_key,
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "holder": self.holder,
-            "codec": self.codec,
-            "size": self.size,
-            "digest": self.digest,
-        }
-        if self.layer_digests is not None:
-            out["layer_digests"] = list(self.layer_digests)
-        out["residency"] = [entry.to_json() for entry in self.residency]
-        out["ttl_ms"] = self.ttl_ms
-        if self.moqt_namespace is not None:
-            out["moqt_namespace"] = self.moqt_namespace
-        return out
 
 
 # --- Instance Status Record (4.4, 6.3) --------------------------------------------------------

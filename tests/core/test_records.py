@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 import json
 
+import msgspec
+import msgspec.structs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -291,15 +293,27 @@ def test_records_are_frozen_and_validated_when_built_in_code():
     with pytest.raises(AttributeError):
         record.size = 1
     assert ReplicaRecord(**_fields(record)) == record
-    with pytest.raises(InvalidRecord, match="codec: must be an integer from 1 to 65535"):
-        ReplicaRecord(**{**_fields(record), "codec": 0})
+    # A Replica Record built in code keeps every rule that spans members or values (its
+    # members' bounds are the types', checked as a record is decoded).
+    with pytest.raises(InvalidRecord, match="layer_digests: do not reproduce digest"):
+        ReplicaRecord(**{**_fields(record), "digest": "sha-256:" + "a" * 64})
+    with pytest.raises(InvalidRecord, match="block_key: must be hex32"):
+        ReplicaRecord(**{**_fields(record), "block_key": K1.upper()})
+    with pytest.raises(InvalidRecord, match="holder: must be an http, https or moqt URL"):
+        ReplicaRecord(**{**_fields(record), "holder": "ftp://h1.example/kvsp/"})
     with pytest.raises(InvalidRecord, match="residency: must be an array"):
         ReplicaRecord(**{**_fields(record), "residency": list(record.residency)})
     with pytest.raises(InvalidRecord, match=r"residency\[0\]: must be a residency entry"):
         ReplicaRecord(**{**_fields(record), "residency": ({"tier": "host", "layers": [0, 1]},)})
+    with pytest.raises(InvalidRecord, match="layers: the first layer must not be after the last"):
+        ResidencyEntry("host", (3, 1))
+    with pytest.raises(InvalidRecord, match="codec: must be an integer from 1 to 65535"):
+        ReplicaRecord.from_json(ReplicaRecord(**{**_fields(record), "codec": 0}).to_json())
 
 
 def _fields(record) -> dict:
+    if isinstance(record, msgspec.Struct):
+        return msgspec.structs.asdict(record)
     return {field.name: getattr(record, field.name) for field in dataclasses.fields(record)}
 
 
@@ -351,12 +365,12 @@ REPLICA_REJECTS = [
     (("digest",), "sha256:" + "0" * 64, 'digest: must be "sha-256:"'),
     (("digest",), DIGEST.upper(), 'digest: must be "sha-256:"'),
     (("digest",), "sha-256:" + "a" * 64, "layer_digests: do not reproduce digest"),
-    (("layer_digests",), [], "layer_digests: must not be empty"),
-    (("layer_digests",), "abc", "layer_digests: must be an array"),
+    (("layer_digests",), [], "layer_digests: must be a non-empty array"),
+    (("layer_digests",), "abc", "layer_digests: must be a non-empty array"),
     (("layer_digests", 1), "x", "layer_digests[1]: must be hex32"),
     (("layer_digests", 0), LAYER_DIGESTS[1], "layer_digests: do not reproduce digest"),
-    (("residency",), [], "residency: must not be empty"),
-    (("residency",), {"tier": "host"}, "residency: must be an array"),
+    (("residency",), [], "residency: must be a non-empty array"),
+    (("residency",), {"tier": "host"}, "residency: must be a non-empty array"),
     (("residency", 0), "device", "residency[0]: must be a JSON object"),
     (("residency", 0, "tier"), "Device", "residency[0].tier: must be a lowercase tier name"),
     (("residency", 0, "tier"), "", "residency[0].tier: must be a lowercase tier name"),
@@ -368,12 +382,32 @@ REPLICA_REJECTS = [
     (("residency", 0, "layers"), [-1, 2], "residency[0].layers[0]: must be an integer from 0"),
     (("residency", 0, "layers"), [0, 2**32], "residency[0].layers[1]: must be an integer"),
     (("residency", 0, "layers"), [0, "15"], "residency[0].layers[1]: must be an integer"),
-    (("residency", 1, "read_mbit_per_s"), 0, "residency[1].read_mbit_per_s: must be greater"),
-    (("residency", 1, "read_mbit_per_s"), -5.5, "residency[1].read_mbit_per_s: must be greater"),
+    (
+        ("residency", 1, "read_mbit_per_s"),
+        0,
+        "residency[1].read_mbit_per_s: must be a number greater than 0",
+    ),
+    (
+        ("residency", 1, "read_mbit_per_s"),
+        -5.5,
+        "residency[1].read_mbit_per_s: must be a number greater than 0",
+    ),
     (("residency", 1, "read_mbit_per_s"), "fast", "residency[1].read_mbit_per_s: must be a num"),
-    (("residency", 1, "read_mbit_per_s"), float("nan"), "read_mbit_per_s: must be a finite"),
-    (("residency", 1, "read_mbit_per_s"), float("inf"), "read_mbit_per_s: must be a finite"),
-    (("residency", 1, "read_mbit_per_s"), 2**60, "read_mbit_per_s: must be at most"),
+    (
+        ("residency", 1, "read_mbit_per_s"),
+        float("nan"),
+        "read_mbit_per_s: must be a number greater than 0",
+    ),
+    (
+        ("residency", 1, "read_mbit_per_s"),
+        float("inf"),
+        "read_mbit_per_s: must be a number greater than 0",
+    ),
+    (
+        ("residency", 1, "read_mbit_per_s"),
+        2**60,
+        "read_mbit_per_s: must be a number greater than 0 and at most",
+    ),
     (("residency", 1, "layers"), [15, 31], "residency[1].layers: overlaps residency[0].layers"),
     (("residency", 1, "layers"), [0, 3], "residency[1].layers: overlaps residency[0].layers"),
     (("residency", 1, "layers"), [16, 32], "residency[1].layers: layer 32 is beyond the 32"),
