@@ -3,8 +3,12 @@ Checkpoint), 6.2 (lookup request), 6.4 (placement request), 6.5 (prefetch direct
 state), 6.6 (leases) and 6.9 (shard map and reshard messages), in the shapes DESIGN.md section 3
 fixes where the spec leaves them open; and the delegated token messages of DESIGN.md section 6.
 
-Every record is a frozen dataclass validated at construction. ``Record.from_json(obj)`` turns a
-decoded JSON value into a record: it bounds every array by ``Limits`` before it does per-entry
+Every record is frozen and validated. The Replica Record and its residency entries are
+``msgspec`` structs (the other records follow, one at a time): the bounds of each member are in
+its type and checked, in C, as a record is decoded; the rules that span members or need more than
+a bound are in ``__post_init__``, checked also when code builds a record. The others are frozen
+dataclasses validated at construction. ``from_json(obj)`` turns a decoded JSON value into a
+record: it bounds every array by ``Limits`` before it does per-entry
 work, ignores unknown members (4.4: "Unknown members MUST be ignored"), and raises
 ``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record`` whose detail starts with
 the path of the offending member, e.g. ``residency[1].layers: overlaps residency[0].layers``.
