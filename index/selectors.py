@@ -148,13 +148,11 @@ class ReplicaGroup(NamedTuple):
 
 
 _SELECT_GROUPS = """
-SELECT h.url, g.size, g.residency, g.block_keys FROM (
-    SELECT r.holder_id, r.size, r.residency, array_agg(r.block_key) AS block_keys
-    FROM index_replica r
-    WHERE r.block_key = ANY(ARRAY(
-        SELECT substring(%(keys)b FROM 1 + 32 * i FOR 32) FROM generate_series(0, %(count)s - 1) i
-    ))
-    AND r.scope_id = %(scope)b AND r.compat_id = %(compat)b AND r.expires_at > %(now)s
+SELECT h.url, g.size, g.residency, g.positions FROM (
+    SELECT r.holder_id, r.size, r.residency, array_agg(k.i) AS positions
+    FROM generate_series(0, %(count)s - 1) k(i)
+    JOIN index_replica r ON r.block_key = substring(%(keys)b FROM 1 + 32 * k.i FOR 32)
+    WHERE r.scope_id = %(scope)b AND r.compat_id = %(compat)b AND r.expires_at > %(now)s
     GROUP BY r.holder_id, r.size, r.residency
 ) g JOIN index_holder h ON h.id = g.holder_id
 """
@@ -170,8 +168,8 @@ def replica_groups(
     if not authz.may_read_scope(principal, scope_id):
         return []
     now = now or timezone.now()
-    position = {key: p for p, key in enumerate(keys)}
     if connection.vendor != "postgresql":
+        position = {key: p for p, key in enumerate(keys)}
         groups: dict[tuple, list[int]] = defaultdict(list)
         for row in _rows_for_keys(compat_id, scope_id, keys, now):
             groups[(row[1], row[3], row[6])].append(position[bytes(row[0])])
@@ -180,8 +178,9 @@ def replica_groups(
 
     connection.ensure_connection()
     with psycopg.Cursor(connection.connection) as cursor:
-        # The keys go as one value (Block Keys are 32 octets), split by the server: a list of
-        # thousands of values costs more to send than the query takes.
+        # The keys go as one value (Block Keys are 32 octets), split by the server, and each
+        # replica comes back as the position of its key: a list of thousands of values costs
+        # more to send, either way, than the query takes.
         parameters = {
             "keys": b"".join(keys),
             "count": len(keys),
@@ -190,10 +189,7 @@ def replica_groups(
             "now": now,
         }
         cursor.execute(_SELECT_GROUPS, parameters, binary=True)
-        return [
-            ReplicaGroup(holder, size, residency, [position[key] for key in block_keys])
-            for holder, size, residency, block_keys in cursor.fetchall()
-        ]
+        return [ReplicaGroup(*row) for row in cursor.fetchall()]
 
 
 def matched_prefix_of_groups(count: int, groups: list[ReplicaGroup]) -> int:
