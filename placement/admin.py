@@ -8,6 +8,7 @@ the dashboard.
 
 from __future__ import annotations
 
+import orjson
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
@@ -216,8 +217,11 @@ class DirectiveAdmin(ReadOnlyAdmin):
     list_select_related = ("instance",)
     date_hierarchy = "created_at"
 
+    exclude = ("block_keys", "sources", "block_sources")  # packed: shown as "blocks"
+
     def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in Directive._meta.fields] + ["latency"]
+        fields = [f.name for f in Directive._meta.fields if f.name not in self.exclude]
+        return fields + ["blocks", "latency"]
 
     def get_search_results(self, request, queryset, search_term):
         found, duplicates = super().get_search_results(request, queryset, search_term)
@@ -229,7 +233,11 @@ class DirectiveAdmin(ReadOnlyAdmin):
 
     @admin.display(description="loaded")
     def loaded_of_blocks(self, obj):
-        return f"{len(obj.loaded)} / {len(obj.blocks)}"
+        return f"{len(obj.loaded)} / {obj.block_count}"
+
+    @admin.display(description="blocks")
+    def blocks(self, obj):
+        return orjson.dumps(obj.blocks).decode()
 
     @admin.display(description="latency")
     def latency(self, obj):

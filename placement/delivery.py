@@ -52,7 +52,8 @@ def deliver(directive_id: int, *, client: httpx.Client, document: dict | None = 
     """
     directives = Directive.objects.select_related("instance")
     if document is not None:
-        directives = directives.defer("blocks")  # thousands of entries the caller already has
+        # Thousands of blocks the caller already has.
+        directives = directives.defer("block_keys", "sources", "block_sources")
     directive = directives.filter(pk=directive_id).first()
     if directive is None or directive.sent_at is not None:
         return "done"
@@ -90,12 +91,13 @@ def deliver(directive_id: int, *, client: httpx.Client, document: dict | None = 
     return "sent"
 
 
-def send_soon(directive_id: int, document: dict) -> None:
-    """Send a committed directive now, from this process's senders (call it on commit)."""
+def send_soon(directive: Directive) -> None:
+    """Send a committed directive now, from this process's senders (call it on commit with the
+    row as recorded: the sender writes its document from it, off the caller's path)."""
     try:
-        _pool().submit(_send_or_hand_over, directive_id, document)
+        _pool().submit(_send_or_hand_over, directive)
     except RuntimeError:  # the interpreter is shutting down: the task sends it instead
-        _hand_over(directive_id)
+        _hand_over(directive.pk)
 
 
 def run_soon(work: Callable[[], object], hand_over: Callable[[], object], what: str) -> None:
@@ -141,9 +143,10 @@ def _client() -> httpx.Client:
     return client
 
 
-def _send_or_hand_over(directive_id: int, document: dict) -> None:
+def _send_or_hand_over(directive: Directive) -> None:
+    directive_id = directive.pk
     try:
-        outcome = deliver(directive_id, client=_client(), document=document)
+        outcome = deliver(directive_id, client=_client(), document=directive.body())
         log.info("directive %s: %s at once", directive_id, outcome)
     except PeerUnreachable as error:
         log.info("directive %s not delivered at once (%s): the task retries", directive_id, error)

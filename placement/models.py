@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import numpy as np
 import orjson
 from django.db import models
 
@@ -121,9 +122,14 @@ class DirectiveState(models.TextChoices):
     FAILED = DirectiveStatus.FAILED.value
 
 
+# Where a directive's block finds its sources in Directive.sources: uint32, little-endian.
+_SOURCE_INDEX = "<u4"
+
+
 class CompactJSONEncoder(json.JSONEncoder):
-    """A directive's blocks run to thousands of entries: written in one C call (orjson), about
-    thirty times faster than the standard encoder, to the same JSON."""
+    """JSON written in one C call (orjson), about thirty times faster than the standard
+    encoder, to the same JSON (the encoder of directives' blocks when they were JSON: migration
+    0009 names it)."""
 
     def encode(self, o) -> str:
         return orjson.dumps(o).decode()
@@ -139,8 +145,12 @@ class Directive(models.Model):
     request_ref = models.CharField(max_length=400, blank=True, default="")
     scope_id = models.BinaryField(max_length=16)
     compat_id = models.BinaryField(max_length=32)
-    # The directive's "blocks": [{"block_key", "sources": [...]}, ...], sources ordered by cost.
-    blocks = models.JSONField(encoder=CompactJSONEncoder)
+    # The directive's "blocks" (``blocks``), packed: thousands of entries name a few distinct
+    # lists of sources, so a row stores each list once and each block's Block Key (32 octets)
+    # with the position of its list (4 octets, little-endian), a fifth of the JSON's size.
+    block_keys = models.BinaryField(default=b"")
+    sources = models.JSONField(default=list, help_text="The distinct lists of sources by cost.")
+    block_sources = models.BinaryField(default=b"")
     deadline_ms = models.PositiveBigIntegerField()
     lease_ms = models.PositiveIntegerField()
     state = models.CharField(
@@ -161,6 +171,46 @@ class Directive(models.Model):
 
     def __str__(self) -> str:
         return f"{self.directive} → {self.instance_id}"
+
+    @classmethod
+    def pack(cls, block_keys: bytes, sources: list[list[str]], source_of) -> dict:
+        """The fields of a directive's blocks: ``block_keys`` 32 octets each, ``sources`` the
+        distinct lists of sources and ``source_of`` the position in it of each block's list
+        (a sequence of integers or a numpy array)."""
+        return {
+            "block_keys": block_keys,
+            "sources": sources,
+            "block_sources": np.asarray(source_of, dtype=_SOURCE_INDEX).tobytes(),
+        }
+
+    @classmethod
+    def pack_blocks(cls, blocks: list[dict]) -> dict:
+        """The fields of a directive's ``blocks`` as the spec has them (6.5)."""
+        positions: dict[tuple, int] = {}
+        source_of = [
+            positions.setdefault(tuple(block["sources"]), len(positions)) for block in blocks
+        ]
+        return cls.pack(
+            b"".join(bytes.fromhex(block["block_key"]) for block in blocks),
+            [list(sources) for sources in positions],
+            source_of,
+        )
+
+    @property
+    def block_count(self) -> int:
+        return len(self.block_keys) // 32
+
+    @property
+    def blocks(self) -> list[dict]:
+        """The directive's "blocks" (spec 6.5): [{"block_key", "sources": [...]}, ...], each
+        block's sources ordered by cost."""
+        keys = bytes(self.block_keys).hex(",", 32).split(",") if self.block_keys else []
+        source_of = np.frombuffer(bytes(self.block_sources), dtype=_SOURCE_INDEX).tolist()
+        sources = self.sources
+        return [
+            {"block_key": key, "sources": sources[s]}
+            for key, s in zip(keys, source_of, strict=True)
+        ]
 
     def body(self) -> dict:
         """The directive as sent (spec 6.5)."""

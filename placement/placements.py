@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Subquery
 from django.utils import timezone
 
 from index import authz
@@ -54,16 +55,21 @@ def do_place(principal, body: object, *, now=None) -> dict:
     request = PlacementRequest.from_json(body)
     now = now or timezone.now()
     scope_id, compat_id = bytes.fromhex(request.scope_id), bytes.fromhex(request.compat_id)
-    scope = Scope.objects.filter(scope_id=scope_id).first()
+    # The scope and the block size of its Compatibility ID in one round trip.
+    descriptor = CompatDescriptor.objects.filter(compat_id=compat_id).values("block_tokens")
+    scope = (
+        Scope.objects.filter(scope_id=scope_id)
+        .annotate(block_tokens=Subquery(descriptor[:1]))
+        .first()
+    )
     if scope is None or not authz.may_read_scope(principal, scope_id):
         raise ProtocolError("kvsp-not-found", "no such scope")
-    descriptor = CompatDescriptor.objects.filter(compat_id=compat_id).first()
-    if descriptor is None:
+    if scope.block_tokens is None:
         raise ProtocolError(
             "kvsp-not-found",
             "no Compatibility Descriptor is registered for compat_id: PUT compat/{id} first",
         )
-    block_tokens = descriptor.block_tokens
+    block_tokens = scope.block_tokens
     keys = blockkeys.block_keys(
         open_scope_key(scope.scope_id, scope.key_ciphertext),
         compat_id,
@@ -101,9 +107,12 @@ def do_place(principal, body: object, *, now=None) -> dict:
     instance, status, price = chosen
     directive = None
     if price.uses_cache or woke:
-        directive_blocks = pricing.directive_blocks(status, blocks)
-        if directive_blocks:
-            directive = _send_directive(instance, request, scope_id, compat_id, directive_blocks)
+        positions, sources, source_of = pricing.directive_sources(status, blocks)
+        if len(positions):
+            packed = Directive.pack(
+                b"".join(map(keys.__getitem__, positions.tolist())), sources, source_of
+            )
+            directive = _send_directive(instance, request, scope_id, compat_id, packed)
     timer.lap("directive")
     return {
         "instance": instance.url,
@@ -116,18 +125,17 @@ def do_place(principal, body: object, *, now=None) -> dict:
     }
 
 
-def _send_directive(instance, request, scope_id, compat_id, blocks: list[dict]) -> str:
-    """Record the directive (one INSERT); once it is committed, send it (a row before a
-    message)."""
+def _send_directive(instance, request, scope_id, compat_id, packed: dict) -> str:
+    """Record the directive (one INSERT; ``packed``: its blocks as ``Directive.pack`` gives
+    them); once it is committed, send it (a row before a message)."""
     directive = Directive.objects.create(
         instance=instance,
         request_ref=request.request_ref or "",
         scope_id=scope_id,
         compat_id=compat_id,
-        blocks=blocks,
         deadline_ms=settings.KVSP_PREFETCH_DEADLINE_MS,
         lease_ms=settings.KVSP_PREFETCH_LEASE_MS,
+        **packed,
     )
-    document = directive.body()
-    transaction.on_commit(lambda: delivery.send_soon(directive.pk, document))
+    transaction.on_commit(lambda: delivery.send_soon(directive))
     return f"{instance.url}prefetch/{directive.directive}"

@@ -155,27 +155,36 @@ def fetch_plans(
     return fetchplan.plan_fleet(*_arrays(table, LinkTable.build(statuses, table.holders)))
 
 
-def directive_blocks(status: InstanceStatusRecord, blocks: BlockTable) -> list[dict]:
-    """The blocks of a prefetch directive (6.5) for one instance, as JSON: each block of its
-    loadable prefix that is not resident there, with its usable sources by finish time (the
-    ``fetch`` of ``kvsp.cost.price_instance``). The holders are URLs the IS validated.
+def directive_sources(
+    status: InstanceStatusRecord, blocks: BlockTable
+) -> tuple[np.ndarray, list[list[str]], np.ndarray]:
+    """The blocks of a prefetch directive (6.5) for one instance: each block of its loadable
+    prefix that is not resident there, with its usable sources by finish time (the ``fetch`` of
+    ``kvsp.cost.price_instance``). As arrays: the blocks' positions in ``blocks``, the distinct
+    lists of sources (holder URLs the IS validated), and which of them is each block's.
     """
     if not blocks.holders:
-        return []
+        return np.zeros(0, dtype=np.int64), [], np.zeros(0, dtype=np.int64)
     loadable, ranked = fetchplan.plan_sources(
         0, *_arrays(blocks, LinkTable.build([status], blocks.holders))
     )
-    sources_of: dict[tuple, list[str]] = {}
-    out = []
-    rows = map(tuple, ranked[:loadable].tolist())
-    for key, row in zip(blocks.block_keys[:loadable], rows, strict=True):
-        if row[0] < 0:
-            continue  # resident
-        sources = sources_of.get(row)
-        if sources is None:
-            sources = sources_of[row] = [blocks.holders[h] for h in row if h >= 0]
-        out.append({"block_key": key, "sources": sources})
-    return out
+    ranked = ranked[:loadable]
+    positions = np.flatnonzero(ranked[:, 0] >= 0)  # the others are resident
+    if not len(positions):
+        return positions, [], np.zeros(0, dtype=np.int64)
+    rows: dict[tuple, int] = {}
+    source_of = [rows.setdefault(row, len(rows)) for row in map(tuple, ranked[positions].tolist())]
+    sources = [[blocks.holders[h] for h in row if h >= 0] for row in rows]
+    return positions, sources, np.asarray(source_of, dtype=np.int64)
+
+
+def directive_blocks(status: InstanceStatusRecord, blocks: BlockTable) -> list[dict]:
+    """``directive_sources`` as the directive's JSON "blocks" (6.5)."""
+    positions, sources, source_of = directive_sources(status, blocks)
+    return [
+        {"block_key": blocks.block_keys[p], "sources": sources[s]}
+        for p, s in zip(positions.tolist(), source_of.tolist(), strict=True)
+    ]
 
 
 def price_all(

@@ -268,7 +268,7 @@ def _directive_row(directive, now: datetime) -> dict:
         "instance": directive.instance.name,
         "request_ref": directive.request_ref,
         "state": directive.state,
-        "blocks": len(directive.blocks),
+        "blocks": directive.block_count,
         "loaded": len(directive.loaded),
         "latency_ms": directive.latency_ms,
         "age_s": _seconds_between(directive.created_at, now),

@@ -120,6 +120,54 @@ def test_the_candidates_are_read_in_one_query_however_many_there_are(
     assert sorted(found) == [f"engine-{n}" for n in range(6)]
 
 
+def test_a_placement_that_prefetches_is_four_statements(
+    cluster, monkeypatch, django_capture_on_commit_callbacks
+):
+    """The scope with its block size, the lookup, the candidates and the directive's INSERT,
+    whatever the number of blocks, replica shapes and instances; and the directive it records
+    is sent as the cost model planned it, each block with its sources by cost."""
+    import psycopg
+
+    from index.auth import principal_for_token
+    from placement import delivery, placements
+    from tests.support.fixtures import make_caller
+
+    second = "http://second.test/kvsp/"
+    cluster.publish(4)
+    publisher = make_caller("second", scopes=[cluster.scope], holders=[second])
+    cluster.publish(2, holder=second, size=2_000_000, caller=publisher)
+    for n in range(3):
+        links = [link(100_000 * (n + 1))] + ([link(100_000, holder=second)] if n == 2 else [])
+        up(f"engine-{n}", scope=cluster.scope, links=links)
+    router = principal_for_token(cluster.router.token)
+    sent = []
+    monkeypatch.setattr(delivery, "send_soon", lambda directive: sent.append(directive.body()))
+    executed = []
+    execute = psycopg.Cursor.execute
+
+    def counted(cursor, query, *args, **kwargs):
+        executed.append(str(query))
+        return execute(cursor, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", counted)
+    request = {"scope_id": cluster.scope.scope_id_hex, "compat_id": cluster.compat}
+    request |= {"tokens": cluster.tokens, "request_ref": "req-q"}
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = placements.do_place(router, request)
+    monkeypatch.setattr(psycopg.Cursor, "execute", execute)
+    assert len(executed) == 4, executed
+    assert answer["name"] == "engine-2" and answer["matched"] == 4
+    directive = Directive.objects.get()
+    assert answer["directive"].endswith(str(directive.directive))
+    assert [b["block_key"] for b in directive.blocks] == cluster.keys
+    # The first two blocks are at both holders, the second one six times slower to fetch from.
+    assert [b["sources"] for b in directive.blocks] == [[HOLDER, second]] * 2 + [[HOLDER]] * 2
+    assert directive.sources == [[HOLDER, second], [HOLDER]]
+    assert directive.block_count == 4
+    assert sent == [directive.body()]
+    assert sent[0]["blocks"] == directive.blocks and sent[0]["request_ref"] == "req-q"
+
+
 def test_a_holder_without_an_engine_is_never_placed_whatever_its_compat_ids(cluster):
     """It would be the cheapest by far: it holds every block and computes fast."""
     for name, compat_ids in (("store", None), ("store-any", []), ("store-this", [cluster.compat])):
