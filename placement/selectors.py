@@ -9,6 +9,8 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 import numpy as np
+import orjson
+from django.db import connection
 from django.db.models import Avg, Count, DurationField, ExpressionWrapper, F, Max, Q, Sum
 from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
@@ -134,42 +136,75 @@ class LiveStatus(NamedTuple):
     links: tuple[LinkFigures, ...]
 
 
-# An instance row as placement reads it: not the whole status record, only its links.
+# An instance row as placement reads it: not the whole status record, only its links and the
+# one member ``serves`` needs. The fields are in the model's order, as ``Instance.from_db``
+# takes them.
 _PRICED_FIELDS = (
+    "id",
     "name",
     "url",
-    "state",
     "compat_ids",
-    "reported_compat_ids",
+    "state",
     "running",
     "queued",
     "batch_size",
     "kv_utilization",
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
+    "reported_compat_ids",
+)
+_JSON_FIELDS = ("compat_ids", "reported_compat_ids")
+# What the queryset of ``_candidate_rows`` compiles to on Postgres (its ``exclude`` is the JSON
+# null, which SQL NULL fails too), written once: a placement reads the whole fleet, and the ORM
+# took a third of the time compiling the query and decoding the JSON columns. The JSON comes
+# as text for orjson.
+_SELECT_CANDIDATES = (
+    "SELECT "
+    + ", ".join(f"{f}::text" if f in _JSON_FIELDS else f for f in _PRICED_FIELDS)
+    + ", (last_status -> 'links')::text, (last_status -> 'engine')::text "
+    "FROM placement_instance WHERE expires_at > %s AND state = ANY(%s) "
+    "AND NOT (last_status = 'null'::jsonb) ORDER BY name"
 )
 
 
-def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
-    """(instance, live status) of the instances in ``states`` that serve the compat id."""
-    now = now or timezone.now()
+def _candidate_rows(states, now) -> list[tuple]:
+    """(instance, links, engine) of the instances in ``states`` with an unexpired status
+    record, by name; links and engine as that record has them (engine None when absent)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_SELECT_CANDIDATES, [now, [str(state) for state in states]])
+            rows = cursor.fetchall()
+        loads, columns = orjson.loads, len(_PRICED_FIELDS)
+        json_at = [_PRICED_FIELDS.index(f) for f in _JSON_FIELDS]
+        found = []
+        for row in rows:
+            values = list(row[:columns])
+            for j in json_at:
+                if values[j] is not None:
+                    values[j] = loads(values[j])
+            links, engine = row[columns:]
+            instance = Instance.from_db(connection.alias, _PRICED_FIELDS, values)
+            found.append((instance, loads(links), None if engine is None else loads(engine)))
+        return found
     live = (
         Instance.objects.filter(state__in=states, expires_at__gt=now)
         .exclude(last_status=None)
         .only(*_PRICED_FIELDS)
         .annotate(
             status_links=KeyTransform("links", "last_status"),
-            # The one member ``serves`` needs, so that the record itself stays unread.
             status_engine=KeyTransform("engine", "last_status"),
         )
     )
-    for instance in live:
-        if not instance.serves_with(compat_id_hex, engine=instance.status_engine):
+    return [(instance, instance.status_links, instance.status_engine) for instance in live]
+
+
+def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
+    """(instance, live status) of the instances in ``states`` that serve the compat id."""
+    now = now or timezone.now()
+    for instance, links, engine in _candidate_rows(states, now):
+        # The one member of the record ``serves`` needs, so that the record itself stays unread.
+        if not instance.serves_with(compat_id_hex, engine=engine):
             continue
-        links = tuple(
-            LinkFigures(link["holder"], link["mbit_per_s"], link["rtt_us"])
-            for link in instance.status_links
-        )
         yield (
             instance,
             LiveStatus(
@@ -180,7 +215,10 @@ def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
                 instance.kv_utilization,
                 instance.prefill_tokens_per_s,
                 instance.decode_tokens_per_s,
-                links,
+                tuple(
+                    LinkFigures(link["holder"], link["mbit_per_s"], link["rtt_us"])
+                    for link in links
+                ),
             ),
         )
 
