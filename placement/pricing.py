@@ -172,10 +172,26 @@ def directive_sources(
     positions = np.flatnonzero(ranked[:, 0] >= 0)  # the others are resident
     if not len(positions):
         return positions, [], np.zeros(0, dtype=np.int64)
-    rows: dict[tuple, int] = {}
-    source_of = [rows.setdefault(row, len(rows)) for row in map(tuple, ranked[positions].tolist())]
+    rows, source_of = _distinct_rows(ranked[positions])
     sources = [[blocks.holders[h] for h in row if h >= 0] for row in rows]
-    return positions, sources, np.asarray(source_of, dtype=np.int64)
+    return positions, sources, source_of
+
+
+def _distinct_rows(ranked: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
+    """The distinct rows of ``ranked`` (columns from -1 up) in the order they first appear, and
+    the position among them of each row."""
+    columns = ranked.shape[1]
+    if (columns + 1) ** columns >= 2**62:  # more holders than one int64 code per row holds
+        found: dict[tuple, int] = {}
+        source_of = [found.setdefault(row, len(found)) for row in map(tuple, ranked.tolist())]
+        return [list(row) for row in found], np.asarray(source_of, dtype=np.int64)
+    # Each row as one number in base columns + 1, so that numpy finds the distinct ones.
+    codes = (ranked.astype(np.int64) + 1) @ ((columns + 1) ** np.arange(columns, dtype=np.int64))
+    _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return ranked[first[order]].tolist(), rank[inverse.reshape(-1)]
 
 
 def directive_blocks(status: InstanceStatusRecord, blocks: BlockTable) -> list[dict]:

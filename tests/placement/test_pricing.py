@@ -118,3 +118,26 @@ def test_directive_sources_equal_the_reference(blocks, fleet):
         plan = cost.plan_fetch(status.instance, status.links, matched)
         expected = [block.directive_block().to_json() for block in plan.fetched]
         assert directive_blocks(status, table) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    holders=st.integers(1, 20),
+    picks=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    data=st.data(),
+)
+def test_a_directive_keeps_each_distinct_list_of_sources_once(holders, picks, data):
+    """Distinct rows of ranked columns, in the order they first appear, however many holders
+    (past 15 a row no longer fits one int64 code)."""
+    import numpy as np
+
+    from placement.pricing import _distinct_rows
+
+    columns = st.permutations(list(range(-1, holders))).map(lambda p: p[:holders])
+    lists = data.draw(st.lists(columns, min_size=5, max_size=5))
+    ranked = np.array([lists[p] for p in picks], dtype=np.int32)
+    found: dict[tuple, int] = {}
+    expected = [found.setdefault(tuple(lists[p]), len(found)) for p in picks]
+    rows, source_of = _distinct_rows(ranked)
+    assert rows == [list(row) for row in found]
+    assert source_of.tolist() == expected
