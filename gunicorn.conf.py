@@ -51,7 +51,11 @@ def post_worker_init(worker):
     # What the application loaded lives as long as the worker: kept out of the garbage
     # collector's full passes, each of which would hold up every request thread of the worker
     # while it walked those objects again (workers.runtime.settle_heap does the same for a
-    # node's Celery worker).
+    # node's Celery worker). The TLS context of its peer clients is built first, so that no
+    # request's first call to a peer (a directive's send) pays for it.
+    from kvspsite.peers import tls_context
+
+    tls_context()
     gc.freeze()
     # A worker of the control plane prices placements: compile the fetch plan as it starts.
     if os.environ.get("KVSP_ROLE", "control") == "control":

@@ -33,6 +33,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from kvspsite.celery import instance_queue
+from kvspsite.peers import tls_context
 from workers import services, tiers
 
 log = logging.getLogger(__name__)
@@ -294,6 +295,9 @@ def _on_worker_ready(sender=None, **kwargs) -> None:
     queues = set(sender.app.amqp.queues.consume_from) if sender is not None else set()
     if instance_queue(name) not in queues:
         return
+    # The TLS context of the node's peer clients, built once before the heap is settled: a
+    # directive's loader would otherwise build it before its first request.
+    tls_context()
     _runtime = NodeRuntime(name, sender.app)
     _runtime.start()
 
