@@ -226,6 +226,13 @@ class LocalCluster:
             }
             if not node.engine:
                 del node.env["KVSP_MODEL_DIR"]
+            else:
+                # The engines share the machine's cores: torch's default of a thread per core
+                # in each of them had every forward pass contend with the others' (a token's
+                # import and its decoding steps stalled hundreds of ms on two busy cores).
+                node.env.setdefault(
+                    "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.node_count))
+                )
         self.http = httpx.Client(timeout=60)
 
     def _start_processes(self) -> None:
