@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import random
@@ -32,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.support import PG, fresh_database  # noqa: E402
+from bench.support import PG, fresh_database, migrated_in_process  # noqa: E402
 
 DB = "kvsp_bench_requests"
 
@@ -67,20 +66,10 @@ def main() -> None:
 
 
 def run(repeats: int) -> None:
-    import django
-
-    django.setup()
-    from django.core.management import call_command
+    manage = migrated_in_process()
     from django.test import Client
 
     from kvsp.container import RAW_CODEC, encode, store_headers
-
-    call_command("migrate", verbosity=0)
-
-    def manage(*args: str) -> dict:
-        out = io.StringIO()
-        call_command(*args, stdout=out)
-        return json.loads(out.getvalue())
 
     scope = manage("kvsp_scope", "create", "bench")["scope_id"]
     reader_token = manage("kvsp_principal", "create", "r", "--scope", scope)["token"]

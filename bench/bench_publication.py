@@ -17,8 +17,6 @@ Needs Postgres on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import os
 import sys
 import time
@@ -30,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_index import COMPAT, replica_records  # noqa: E402
-from bench.support import PG, fresh_database  # noqa: E402
+from bench.support import PG, fresh_database, migrated_in_process  # noqa: E402
 
 DB = "kvsp_bench_publication"
 HOLDER = "http://holder-0.test/kvsp/"
@@ -63,20 +61,10 @@ def timed(work, count: int) -> tuple[float, float]:
 
 
 def run(singles: int, batches: int, batch: int) -> None:
-    import django
-
-    django.setup()
-    from django.core.management import call_command
+    manage = migrated_in_process()
     from django.test import Client
 
     from kvsp.records import ReplicaRecord
-
-    call_command("migrate", verbosity=0)
-
-    def manage(*args: str) -> dict:
-        out = io.StringIO()
-        call_command(*args, stdout=out)
-        return json.loads(out.getvalue())
 
     scope = manage("kvsp_scope", "create", "bench")["scope_id"]
     token = manage("kvsp_principal", "create", "h", "--scope", scope, "--holder", HOLDER)["token"]

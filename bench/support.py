@@ -5,6 +5,7 @@ serving files as the limit a block transfer is compared with."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pwd
@@ -73,6 +74,25 @@ def fresh_database(name: str) -> None:
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         conn.execute(f"CREATE DATABASE {name}")
+
+
+def migrated_in_process():
+    """Django set up in this process (on the database its environment names) and migrated;
+    returns a function that runs a management command of the project and gives back the JSON
+    it printed."""
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+    def manage(*args: str) -> dict:
+        out = io.StringIO()
+        call_command(*args, stdout=out)
+        return json.loads(out.getvalue())
+
+    return manage
 
 
 def manage_json(env: dict, *args: str) -> dict:
