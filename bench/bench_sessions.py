@@ -406,6 +406,7 @@ def ttft(fleet: Fleet, options, rng: random.Random) -> None:
 
 def failover(fleet: Fleet, options, rng: random.Random) -> None:
     from sessions.models import OutputToken, Session
+    from workers.models import ServedSession, SessionKind
 
     detections, resumes, totals = [], [], []
     for repeat in range(options.repeat):
@@ -427,6 +428,18 @@ def failover(fleet: Fleet, options, rng: random.Random) -> None:
             f"  repeat {repeat + 1}: resumed on {row.instance.name} under epoch {row.epoch}: "
             f"detection {detection * 1e3:7.1f} ms, resume {resume * 1e3:7.1f} ms"
         )
+        served = (
+            ServedSession.objects.filter(session=session, kind=SessionKind.RESUME)
+            .select_related("directive")
+            .order_by("-epoch")
+            .first()
+        )
+        if served is not None:
+            reached = (served.received_at - row.failed_over_at).total_seconds()
+            print(
+                f"    the resume reached its node {reached * 1e3:.1f} ms after the failover; "
+                f"the node's account: {account(served, served.directive)}"
+            )
         fleet.start_node("a")
     print(
         f"instance death to the resumed session's first token (status TTL {STATUS_TTL_MS} ms, "
