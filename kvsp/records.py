@@ -699,10 +699,8 @@ def _decode(cls: type[S], obj: object, limits: Limits, bounded: tuple[str, ...] 
             _fail((name,), f"has {len(value)} entries; at most {limits.max_layers} are accepted")
     try:
         return msgspec.convert(obj, cls)
-    except msgspec.ValidationError as error:
+    except msgspec.ValidationError as error:  # __post_init__'s _BrokenRule is its cause
         raise _invalid(cls, error) from None
-    except _BrokenRule as error:  # a rule of the outermost struct, raised as itself
-        raise InvalidRecord(*_joined((), error)) from None
 
 
 S = TypeVar("S", bound=msgspec.Struct)

@@ -6,8 +6,8 @@ bearer token of this process (``KVSP_TOKEN``).
 
 from __future__ import annotations
 
+import functools
 import ssl
-import threading
 
 import httpx
 from django.conf import settings
@@ -15,9 +15,6 @@ from django.conf import settings
 from kvsp.problems import ProtocolError, problem_name
 
 DEFAULT_TIMEOUT = httpx.Timeout(10.0, connect=2.0)
-
-_tls: ssl.SSLContext | None = None
-_tls_lock = threading.Lock()
 
 
 class PeerUnreachable(ConnectionError):
@@ -27,15 +24,12 @@ class PeerUnreachable(ConnectionError):
     """
 
 
+@functools.cache
 def tls_context() -> ssl.SSLContext:
     """The process's one TLS context, the one httpx would build for each client: building it
     reads and parses the CA bundle, 36-165 ms on two busy cores, which every directive's loader
     and each directive sender's first send paid before their first request."""
-    global _tls
-    with _tls_lock:
-        if _tls is None:
-            _tls = httpx.create_ssl_context()
-        return _tls
+    return httpx.create_ssl_context()
 
 
 def peer_client(*, token: str | None = None, timeout=DEFAULT_TIMEOUT) -> httpx.Client:
