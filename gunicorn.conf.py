@@ -51,11 +51,21 @@ def post_worker_init(worker):
     # What the application loaded lives as long as the worker: kept out of the garbage
     # collector's full passes, each of which would hold up every request thread of the worker
     # while it walked those objects again (workers.runtime.settle_heap does the same for a
-    # node's Celery worker). The TLS context of its peer clients is built first, so that no
-    # request's first call to a peer (a directive's send) pays for it.
+    # node's Celery worker). The TLS context of its peer clients and the task publisher are
+    # made ready first, so that no request's first call to a peer (a directive's send) or
+    # first task pays for them.
+    from django.conf import settings
+
+    from kvspsite.celery import CONTROL_QUEUE, instance_queue, warm_publisher
     from kvspsite.peers import tls_context
 
     tls_context()
+    # Requests send tasks (a node's generate, resume or directive goes to its worker this way):
+    # the first of them should not wait for the broker's client to load and connect.
+    if settings.KVSP_ROLE == "node":
+        warm_publisher(instance_queue(settings.KVSP_INSTANCE))
+    else:
+        warm_publisher(CONTROL_QUEUE)
     gc.freeze()
     # A worker of the control plane prices placements: compile the fetch plan as it starts.
     if os.environ.get("KVSP_ROLE", "control") == "control":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 
 from celery import Celery
 from kombu import Queue
@@ -82,6 +83,30 @@ def enqueue(task, *args, queue: str | None = None, **options) -> bool:
         log.warning("could not send %s%r now; the sweep will", task.name, args, exc_info=True)
         return False
     return True
+
+
+def warm_publisher(queue: str) -> None:
+    """Make a serving process ready to send tasks before its first request does.
+
+    A process's first task otherwise pays for importing the tasks' modules, the broker's
+    transport (redis-py, about 90 ms) and the result backend, then for connecting and declaring
+    its queue: 100-140 ms measured on the first generate, resume or directive a node's HTTP
+    process admitted, every one of them the first hop of a request. The imports happen here;
+    the connection is made on a thread, so that a broker that is down delays nothing (the
+    first send then retries as any send does).
+    """
+    app.loader.import_default_modules()
+    app.backend  # noqa: B018 -- every send builds an AsyncResult, which loads the backend
+
+    def connect() -> None:
+        try:
+            with app.producer_or_acquire() as producer:
+                producer.connection.ensure_connection(max_retries=1)
+                producer.maybe_declare(Queue(queue))
+        except Exception:  # the broker is down: the first send will connect, or fail as usual
+            log.debug("could not connect to the broker ahead of the first task", exc_info=True)
+
+    threading.Thread(target=connect, name="kvsp-broker-warm", daemon=True).start()
 
 
 def add_housekeeping(name: str, task: str, seconds: float, queue: str = CONTROL_QUEUE) -> None:

@@ -72,6 +72,13 @@ LOOKUP_MATCHED_RATIO = Histogram(
     buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
 )
 
+OUTPUT_TOKENS = Counter(
+    "kvsp_output_tokens",
+    "Output tokens posted to sessions (6.8), per outcome: stored, or a duplicate of an index "
+    "the session held already (sent again after a lost answer, or the final mark of a resume).",
+    ["outcome"],
+)
+
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 

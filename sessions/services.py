@@ -28,6 +28,7 @@ from kvsp.problems import ProtocolError
 from kvsp.records import SessionCheckpoint
 from kvsp.states import EpochRole, accept_epoch, next_session_epoch
 from kvsp.timeline import check_timings
+from kvspsite import metrics
 from kvspsite.celery import enqueue
 from placement import delivery, pricing
 from placement.models import Instance, InstanceState
@@ -226,6 +227,8 @@ def do_post_output(principal, session_id: str, body: object, *, now=None) -> dic
         session.save()
         if fresh or session.state == SessionState.COMPLETED:
             transaction.on_commit(lambda: streams.output_changed(key))
+    metrics.OUTPUT_TOKENS.labels("stored").inc(len(fresh))
+    metrics.OUTPUT_TOKENS.labels("duplicate").inc(len(tokens) - len(fresh))
     return {
         "session": str(key),
         "epoch": session.epoch,

@@ -248,6 +248,9 @@ class SessionRun:
         # Output indices drawn and not yet posted, and how many the front end has been sent.
         self.unreleased: list[int] = []
         self.released = row.output_offset
+        # A resume's indices after its checkpoint that the front end holds already: drawn again
+        # exactly by a deterministic sampler (6.8), so not posted again one round trip each.
+        self.delivered_earlier: set[int] = set()
         # The output_offset of this epoch's last acknowledged checkpoint (None: none yet).
         self.acknowledged: int | None = None
         self.checkpoints = 0
@@ -426,11 +429,17 @@ class SessionRun:
     def _deliver_covered(self) -> None:
         """Post the covered tokens the front end lacks: the instance that drew them may have
         died between a checkpoint and their release. Each index is kept once there. When the
-        covered tokens end the session already, the last one goes again, marked final."""
+        covered tokens end the session already, the last one goes again, marked final. With a
+        deterministic sampler the failed instance may also have released tokens after the
+        checkpoint; those indices are remembered, and drawing them again posts nothing."""
         covered = len(self.generated)
-        if not covered:
+        if not covered and not self.sampler.deterministic:
             return
         have = self._call(control.delivered_indices, self.session)
+        if self.sampler.deterministic:
+            self.delivered_earlier = {index for index in have if index >= covered}
+        if not covered:
+            return
         self.unreleased = [index for index in range(covered) if index not in have]
         self.ended = covered >= self.max_tokens or self.generated[-1] == self.engine.eos_token_id
         if self.ended and covered - 1 not in self.unreleased:
@@ -447,8 +456,12 @@ class SessionRun:
         while not self.ended and len(self.generated) < self.max_tokens:
             token = sampler.sample(self.sequence.logits)
             self.generated.append(token)
-            self.unreleased.append(len(self.generated) - 1)
             final = len(self.generated) >= self.max_tokens or token == engine.eos_token_id
+            index = len(self.generated) - 1
+            if index in self.delivered_earlier and not final:
+                self.released += 1
+            else:
+                self.unreleased.append(index)
             first = self.acknowledged is None
             if final or first or sampler.deterministic or len(self.unreleased) >= batch:
                 if final or first or not sampler.deterministic:

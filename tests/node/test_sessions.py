@@ -14,12 +14,14 @@ import base64
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -201,6 +203,13 @@ def delivered(serving: Serving, session: str) -> list[dict]:
     answer = serving.cluster.control("reader_a").get(f"sessions/{session}/output")
     assert answer.status_code == 200, answer.text
     return answer.json()["tokens"]
+
+
+def duplicate_tokens(serving: Serving) -> int:
+    """Output tokens the control plane was sent for indices it held already (its /metrics)."""
+    text = httpx.get(serving.cluster.cp_url.replace("/kvsp/", "/metrics"), timeout=10).text
+    found = re.search(r'^kvsp_output_tokens_total\{outcome="duplicate"\} ([0-9.e+]+)$', text, re.M)
+    return int(float(found.group(1))) if found else 0
 
 
 def completed(session: str, timeout: float = 60):
@@ -475,8 +484,12 @@ def check_resumed(serving: Serving, run: dict) -> None:
 
 
 def test_a_killed_instances_greedy_session_resumes_elsewhere_losing_nothing(serving):
+    duplicates = duplicate_tokens(serving)
     run = fail_over(serving, "e2", GREEDY, seed=5)
     check_resumed(serving, run)
+    # The tokens the killed instance had released after its last checkpoint are drawn again
+    # by the resumed one, and not sent again: the first new token is the resume's first post.
+    assert duplicate_tokens(serving) == duplicates
 
 
 def test_a_killed_instances_top_p_session_resumes_with_the_same_sample(serving):

@@ -80,6 +80,34 @@ def test_work_owed_when_redis_restarts_empty_is_sent_again(role_env, start_proce
         wait_until(lambda: Instance.objects.get().pushed_state_version == 1, "recorded", 30)
 
 
+def test_a_server_started_while_redis_is_down_accepts_work_and_sends_it_later(
+    role_env, start_process
+):
+    controller = make_caller("pc", controller=True)
+    env = role_env(KVSP_TOKEN=controller.token)
+    with StandinNode() as node:
+        caller = make_instance("ii1", node.url)
+        report(caller, "ii1", status_record(node.url, ttl_ms=600_000))
+        _redis("shutdown", "nosave")
+        try:
+            # Each server worker makes its task publisher ready as it starts: with the broker
+            # gone that must neither stop the server nor fail its requests.
+            server = start_process("server", "control", env, workers=1)
+            response = httpx.put(
+                f"{server.url}/kvsp/instances/ii1/state",
+                json={"state": "draining"},
+                headers={"Authorization": f"Bearer {controller.token}"},
+                timeout=30,
+            )
+            assert response.status_code == 200, response.text
+        finally:
+            _start_redis()
+        start_process("worker", "control-worker", env, queues=["control"])
+        start_process("beat", "beat", env)
+        wait_until(lambda: node.received("PUT", "/kvsp/state"), "state pushed", 90)
+        wait_until(lambda: Instance.objects.get().pushed_state_version == 1, "recorded", 30)
+
+
 def test_the_control_plane_rides_out_a_postgres_restart(role_env, start_process):
     scope = make_scope("tenant-a")
     holder = make_caller("holder-a", scopes=[scope], holders=[HOLDER_A])
