@@ -390,7 +390,13 @@ SCHEMAS = {
         ],
     ),
     "CheckpointAnswer": _object(
-        {"session": {"type": "string"}, "epoch": _INT, "output_offset": _INT},
+        {
+            "session": {"type": "string"},
+            "epoch": _INT,
+            "output_offset": _INT,
+            # Present when the checkpoint carried output tokens (the extension member output).
+            "output": _ref("OutputAnswer"),
+        },
         ["session", "epoch", "output_offset"],
     ),
     "OutputToken": _object(

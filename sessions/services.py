@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from django.conf import settings
@@ -60,20 +60,40 @@ def _principal_instance(principal) -> Instance:
 class CheckpointAnswer:
     session: Session
     created: bool
+    # The answer to the tokens that came with the checkpoint (extension member ``output``).
+    output: dict | None = None
 
     def to_json(self) -> dict:
-        return {
+        answer = {
             "session": str(self.session.session),
             "epoch": self.session.epoch,
             "output_offset": self.session.checkpoint_offset,
         }
+        if self.output is not None:
+            answer["output"] = self.output
+        return answer
 
 
 def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> CheckpointAnswer:
     """PUT sessions/{session}/checkpoint (6.8): keep the highest output_offset of the current
     epoch; refuse lower epochs with kvsp-stale-epoch. The answer acknowledges the offset the PC
     holds, which is what lets an instance release tokens of a non-deterministic sampler.
+
+    The extension member ``output`` carries output tokens the checkpoint covers, as ``POST
+    sessions/{session}/output`` would: they are taken after the checkpoint, in the same
+    transaction (nothing of either is kept when one is refused), and the answer's ``output``
+    is what that POST would have answered. An instance saves the round trip of the post.
     """
+    output = body.get("output") if isinstance(body, dict) else None
+    if output is None:
+        return _record_checkpoint(principal, session_id, body, now=now)
+    with transaction.atomic():
+        answer = _record_checkpoint(principal, session_id, body, now=now)
+        taken = do_post_output(principal, session_id, output, now=now)
+    return replace(answer, output=taken)
+
+
+def _record_checkpoint(principal, session_id: str, body: object, *, now=None) -> CheckpointAnswer:
     checkpoint = SessionCheckpoint.from_json(body)
     timings = _timings(body)
     key = parse_session_id(session_id)

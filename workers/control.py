@@ -366,21 +366,30 @@ def scope_key(scope_id: bytes) -> bytes:
     return key
 
 
-def put_checkpoint(record: SessionCheckpoint, extensions: dict | None = None) -> int:
+def put_checkpoint(
+    record: SessionCheckpoint, extensions: dict | None = None, *, release: list[dict] = ()
+) -> int:
     """PUT sessions/{session}/checkpoint (6.8), with extension members beside the record's
     own (4.4: a receiver ignores those it does not know); the output_offset the PC
-    acknowledges."""
+    acknowledges.
+
+    ``release``: output tokens the checkpoint covers, sent with it as the extension member
+    ``output`` so that a token costs no round trip of its own after its checkpoint. A control
+    plane that stored them says so in its answer's ``output``; one that ignored the member
+    gets them with ``POST sessions/{session}/output`` as usual.
+    """
+    body = {**(extensions or {}), **record.to_json()}
+    if release:
+        body["output"] = list(release)
     response = raise_for_problem(
-        call(
-            client(),
-            "PUT",
-            f"{_base()}sessions/{record.session}/checkpoint",
-            json={**(extensions or {}), **record.to_json()},
-        )
+        call(client(), "PUT", f"{_base()}sessions/{record.session}/checkpoint", json=body)
     )
-    offset = response.json().get("output_offset")
+    answer = response.json()
+    offset = answer.get("output_offset")
     if type(offset) is not int:
         raise ProtocolError("kvsp-upstream-error", "the checkpoint answer carries no output_offset")
+    if release and not isinstance(answer.get("output"), dict):
+        post_output(record.session, list(release))
     return offset
 
 

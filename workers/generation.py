@@ -463,9 +463,9 @@ class SessionRun:
             else:
                 self.unreleased.append(index)
             first = self.acknowledged is None
-            if final or first or sampler.deterministic or len(self.unreleased) >= batch:
-                if final or first or not sampler.deterministic:
-                    self._checkpoint()
+            if final or first or (not sampler.deterministic and len(self.unreleased) >= batch):
+                self._checkpoint(release=True, final=final)
+            elif sampler.deterministic:
                 self._post(final=final)
             if final:
                 self.ended = True
@@ -475,9 +475,7 @@ class SessionRun:
                 self.completed.append((self.sequence.complete_blocks - 1, key))
             due = len(self.generated) - (self.acknowledged or 0) >= CHECKPOINT_INTERVAL
             if self.completed or due:
-                self._checkpoint()
-                if self.unreleased:
-                    self._post(final=False)
+                self._checkpoint(release=True)
                 self.writer.store_later(self.completed)
                 self.completed = []
 
@@ -517,8 +515,10 @@ class SessionRun:
         self.prompt_blocks = tuple(key.hex() for key in keys)
         self.prompt_tail = tuple(tail)
 
-    def _checkpoint(self) -> None:
-        """Publish a checkpoint covering every output token drawn so far (4.4, 6.8)."""
+    def _checkpoint(self, *, release: bool = False, final: bool = False) -> None:
+        """Publish a checkpoint covering every output token drawn so far (4.4, 6.8); with
+        ``release``, the tokens not yet sent go with it (``final``: the last one ends the
+        session)."""
         named = self.writer.prompt_named()
         if named is not None:
             self._name_prompt(*named)
@@ -538,13 +538,18 @@ class SessionRun:
         if first:
             self.timer.lap("first_token")  # drawing it (a resume: its covered tokens' logits)
         extensions = {"timings_us": dict(self.timer.spent)} if first else None
-        self._call(control.put_checkpoint, record, extensions)
+        # Everything drawn so far is covered by this checkpoint, so its tokens may go with it
+        # whatever the sampler: the PC records the checkpoint before it takes them.
+        items = self._releasable(offset, final) if release else []
+        self._call(partial(control.put_checkpoint, release=items), record, extensions)
         if first:
             self.timer.lap("first_checkpoint")
         # The PC holds this checkpoint or one further on, under this epoch: everything drawn
         # so far is covered.
         self.acknowledged = offset
         self.checkpoints += 1
+        if items:
+            self._released(items)
         served.do_note_progress(self.row.pk, **self._progress())
 
     def _post(self, *, final: bool) -> None:
@@ -553,17 +558,26 @@ class SessionRun:
         limit = len(self.generated)
         if not self.sampler.deterministic:
             limit = self.acknowledged or 0
-        ready = [index for index in self.unreleased if index < limit]
-        if not ready:
-            return
+        items = self._releasable(limit, final)
+        if items:
+            self._call(control.post_output, self.session, items)
+            self._released(items)
+
+    def _releasable(self, limit: int, final: bool) -> list[dict]:
+        """The output tokens not yet sent below index ``limit``, as posted (6.8)."""
         items = [
-            {"epoch": self.epoch, "index": index, "token": self.generated[index]} for index in ready
+            {"epoch": self.epoch, "index": index, "token": self.generated[index]}
+            for index in self.unreleased
+            if index < limit
         ]
-        if final and ready[-1] == len(self.generated) - 1:
+        if items and final and items[-1]["index"] == len(self.generated) - 1:
             items[-1]["final"] = True
-        self._call(control.post_output, self.session, items)
-        self.unreleased = [index for index in self.unreleased if index >= limit]
-        self.released += len(ready)
+        return items
+
+    def _released(self, items: list[dict]) -> None:
+        sent = {item["index"] for item in items}
+        self.unreleased = [index for index in self.unreleased if index not in sent]
+        self.released += len(sent)
         if self.first_token_at is None:
             self.first_token_at = timezone.now()
             self.timer.lap("first_post")

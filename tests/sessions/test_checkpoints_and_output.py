@@ -160,6 +160,42 @@ def test_a_nondeterministic_sampler_releases_only_checkpointed_tokens(cluster, n
     assert body(covered)["stored"] == [0, 1]
 
 
+def test_tokens_sent_with_their_checkpoint_are_taken_after_it(cluster, node, session_id):
+    document = checkpoint(cluster, session_id, offset=2, deterministic=False)
+    tokens = [{"epoch": 1, "index": i, "token": 7 + i} for i in range(2)]
+    response = put(node, session_id, {**document, "output": tokens})
+    assert response.status_code == 201
+    assert body(response) == {
+        "session": session_id,
+        "epoch": 1,
+        "output_offset": 2,
+        "output": {
+            "session": session_id,
+            "epoch": 1,
+            "stored": [0, 1],
+            "duplicates": [],
+            "delivered": 2,
+        },
+    }
+    stored = OutputToken.objects.order_by("index").values_list("index", "token")
+    assert list(stored) == [(0, 7), (1, 8)]
+
+
+def test_a_checkpoint_whose_tokens_are_refused_is_not_kept_either(cluster, node, session_id):
+    put(node, session_id, checkpoint(cluster, session_id, offset=2, deterministic=False))
+    document = checkpoint(cluster, session_id, offset=4, deterministic=False)
+    # Index 4 is beyond what the checkpoint covers: the post alone would be refused.
+    tokens = [{"epoch": 1, "index": i, "token": 7} for i in range(5)]
+    response = put(node, session_id, {**document, "output": tokens})
+    assert response.status_code == 409
+    assert problem_name(response) == "kvsp-conflict"
+    assert Session.objects.get().checkpoint_offset == 2
+    assert not OutputToken.objects.exists()
+    malformed = put(node, session_id, {**document, "output": [{"index": 2}]})
+    assert malformed.status_code == 400
+    assert Session.objects.get().checkpoint_offset == 2
+
+
 def test_the_final_token_completes_the_session(cluster, node, session_id):
     put(node, session_id, checkpoint(cluster, session_id))
     post(node, session_id, [{"epoch": 1, "index": 1, "token": 2, "final": True}])
