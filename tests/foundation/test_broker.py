@@ -15,6 +15,8 @@ def test_messages_written_while_read_arrive_whole(tmp_path):
     folders = {
         "data_folder_in": str(tmp_path),
         "data_folder_out": str(tmp_path),
+        # kombu writes the queue's bindings there ("control" in the working directory otherwise)
+        "control_folder": str(tmp_path / "control"),
         "polling_interval": 0,
     }
     sent = [{"n": n, "body": "x" * 2048} for n in range(MESSAGES)]
