@@ -225,6 +225,16 @@ def wait(predicate, timeout: float, what: str = "a condition"):
     raise TimeoutError(f"no {what} after {timeout} s")
 
 
+def ended_here(session: str):
+    """The node's row of a one-token session once the session has ended there: its figures
+    are final then (the token reaches the front end with its checkpoint, before the node has
+    written them)."""
+    from workers.models import ServedSession
+
+    rows = ServedSession.objects.filter(session=session, finished_at__isnull=False)
+    return wait(rows.first, 30, f"session {session} ended on its node")
+
+
 def instance(name: str):
     from placement.models import Instance
 
@@ -330,7 +340,7 @@ def account(served, directive) -> str:
 
 
 def ttft(fleet: Fleet, options, rng: random.Random) -> None:
-    from workers.models import Directive, ServedSession
+    from workers.models import Directive
 
     vocab = 256
     # cached: every prompt whose prefix a peer holds, as placed (the placement may recompute
@@ -354,7 +364,7 @@ def ttft(fleet: Fleet, options, rng: random.Random) -> None:
             waits = {"request_ref": reference} if placement["directive"] else {}
             generate(fleet, key, session, tokens, 1, **waits)
             cached.append(first_token_at(session) - started)
-            served = ServedSession.objects.get(session=session)
+            served = ended_here(session)
             if served.loaded_blocks:
                 loaded.append(cached[-1])
             directive = Directive.objects.filter(request_ref=reference).first()
@@ -367,7 +377,7 @@ def ttft(fleet: Fleet, options, rng: random.Random) -> None:
             generate(fleet, key, other, fresh, 1)
             recomputed.append(first_token_at(other) - started)
             bare.append(bare_prefill_s(fleet.model_dir, fresh))
-            computed = ServedSession.objects.get(session=other)
+            computed = ended_here(other)
             print(
                 f"  repeat {repeat + 1}: on {key}, loaded {served.loaded_blocks} blocks "
                 f"+ {served.recomputed_tokens} tokens: {cached[-1] * 1e3:8.1f} ms; "
