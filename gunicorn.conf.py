@@ -59,16 +59,14 @@ def post_worker_init(worker):
     from kvspsite.celery import CONTROL_QUEUE, instance_queue, warm_publisher
     from kvspsite.peers import tls_context
 
+    control = settings.KVSP_ROLE == "control"
     tls_context()
     # Requests send tasks (a node's generate, resume or directive goes to its worker this way):
     # the first of them should not wait for the broker's client to load and connect.
-    if settings.KVSP_ROLE == "node":
-        warm_publisher(instance_queue(settings.KVSP_INSTANCE))
-    else:
-        warm_publisher(CONTROL_QUEUE)
+    warm_publisher(CONTROL_QUEUE if control else instance_queue(settings.KVSP_INSTANCE))
     gc.freeze()
     # A worker of the control plane prices placements: compile the fetch plan as it starts.
-    if os.environ.get("KVSP_ROLE", "control") == "control":
+    if control:
         from placement.fetchplan import warm_in_background
 
         warm_in_background()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -367,7 +367,7 @@ def scope_key(scope_id: bytes) -> bytes:
 
 
 def put_checkpoint(
-    record: SessionCheckpoint, extensions: dict | None = None, *, release: list[dict] = ()
+    record: SessionCheckpoint, extensions: dict | None = None, *, release: Sequence[dict] = ()
 ) -> int:
     """PUT sessions/{session}/checkpoint (6.8), with extension members beside the record's
     own (4.4: a receiver ignores those it does not know); the output_offset the PC
