@@ -47,6 +47,13 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_OWN_DIR)
 
 
+# A kept-alive connection stays open longer than clients keep theirs idle (httpx: 5 s), so that
+# a client never sends a request on a connection the server is closing at that very moment
+# (gunicorn's 2 s made an idle connection's next request fail now and then with "server
+# disconnected"). Idle connections cost the ASGI worker nothing but a socket.
+keepalive = 30
+
+
 def post_worker_init(worker):
     # What the application loaded lives as long as the worker: kept out of the garbage
     # collector's full passes, each of which would hold up every request thread of the worker

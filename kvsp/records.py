@@ -1505,6 +1505,38 @@ class DirectiveState(Record):
 # --- Leases (6.6) -----------------------------------------------------------------------------
 
 
+class BlockBatchRequest(msgspec.Struct, frozen=True):
+    """POST {holder}blocks/{compat}/{scope}: the blocks of one compat and scope that a client
+    retrieves in one request, in the order it wants them (an extension of 6.7; each block comes
+    back as the part a GET of its resource would answer, README "Blocks in batches"). Keys are
+    unique; a holder bounds how many one request may name."""
+
+    NAME: ClassVar[str] = "block batch request"
+
+    block_keys: Annotated[
+        tuple[Hex32, ...], _rule("must be a non-empty array of block keys", min_length=1)
+    ]
+
+    def __post_init__(self) -> None:
+        seen: dict[str, int] = {}
+        for index, key in enumerate(self.block_keys):
+            if _lower_hex(key) is None:
+                _broken(("block_keys", index), _HEX32_RULE)
+            if key in seen:
+                _broken(("block_keys", index), "duplicates {related}", ("block_keys", seen[key]))
+            seen[key] = index
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        keys = obj.get("block_keys") if isinstance(obj, dict) else None
+        if isinstance(keys, list) and len(keys) > limits.max_block_keys:
+            _fail(("block_keys",), f"has more than {limits.max_block_keys} entries")
+        return _decode(cls, obj, limits)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"block_keys": list(self.block_keys)}
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseRequest(Record):
     """POST {holder}leases (6.6).

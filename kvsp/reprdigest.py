@@ -8,8 +8,10 @@ parsed with http-sfv. Algorithms other than sha-256 are ignored, as RFC 9530 all
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import re
 from collections.abc import Iterable
 
 import http_sfv
@@ -22,13 +24,17 @@ ALGORITHM = "sha-256"
 SHA256_SIZE = 32
 
 
+# The field as holders send it, one sha-256 member and nothing else: what http-sfv writes and
+# reads for it, written and read directly (a loader reads one per block). Any other form of the
+# field goes through http-sfv.
+_PLAIN_FIELD = re.compile(r"sha-256=:([A-Za-z0-9+/]{43}=):")
+
+
 def repr_digest_header(sha256: bytes) -> str:
     """The field value carrying a SHA-256 digest: ``sha-256=:<base64>:``."""
     if len(sha256) != SHA256_SIZE:
         raise ValueError(f"a SHA-256 digest has {SHA256_SIZE} octets, not {len(sha256)}")
-    field = http_sfv.Dictionary()
-    field[ALGORITHM] = bytes(sha256)
-    return str(field)
+    return f"{ALGORITHM}=:{base64.b64encode(sha256).decode('ascii')}:"
 
 
 def _sha256_of(content: Buffer | Iterable[Buffer]) -> bytes:
@@ -56,6 +62,8 @@ def parse_repr_digest(value: str | bytes, *, problem: str = "kvsp-malformed-requ
     sha-256 member is not a 32-octet byte sequence. A client checking a holder's answer passes
     a problem of its own, such as ``kvsp-upstream-error``.
     """
+    if isinstance(value, str) and (plain := _PLAIN_FIELD.fullmatch(value)) is not None:
+        return {ALGORITHM: base64.b64decode(plain.group(1))}
     try:
         octets = value.encode("ascii") if isinstance(value, str) else bytes(value)
         field = http_sfv.Dictionary()

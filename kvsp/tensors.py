@@ -66,6 +66,41 @@ def _swap_octets(octets: torch.Tensor, itemsize: int) -> torch.Tensor:
     return octets.reshape(-1, itemsize).flip(1).reshape(-1)
 
 
+def octets_to_device(octets: Buffer, device: str | torch.device) -> torch.Tensor:
+    """A copy of ``octets`` on ``device`` as one flat uint8 tensor: on CUDA through a pinned
+    staging buffer and one non-blocking copy (ordered on the current stream), on the CPU a
+    copy that owns its memory."""
+    torch = _torch()
+    view = memoryview(octets)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    source = (
+        torch.frombuffer(view, dtype=torch.uint8)
+        if len(view)
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    device = torch.device(device)
+    if device.type == "cuda":
+        # The caching host allocator keeps the staging block alive until the copy has run.
+        staging = torch.empty(source.shape, dtype=torch.uint8, pin_memory=True)
+        staging.copy_(source)
+        return staging.to(device, non_blocking=True)
+    return source.clone()
+
+
+def tensor_from_octets(
+    octets: torch.Tensor, kv_dtype: str, kv_heads: int, head_dim: int
+) -> torch.Tensor:
+    """A section held as a flat uint8 tensor (on any device, its first octet aligned to the
+    element size), as a tensor shaped [tokens, kv_heads, head_dim] over the same memory on a
+    little-endian host (a copy otherwise)."""
+    itemsize = ELEMENT_TYPES[kv_dtype].octets
+    if not _LITTLE_ENDIAN and itemsize > 1:
+        octets = _swap_octets(octets, itemsize)
+    tokens = octets.numel() // (kv_heads * head_dim * itemsize)
+    return octets.view(torch_dtype(kv_dtype)).view(tokens, kv_heads, head_dim)
+
+
 def section_from_tensor(tensor: torch.Tensor) -> memoryview:
     """The section of a tensor shaped [tokens, kv_heads, head_dim], as a memoryview.
 

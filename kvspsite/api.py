@@ -247,10 +247,11 @@ _HOLDER_AUTHENTICATION = HolderAuthentication()
 
 
 def holder_principal(request):
-    """The principal of a block request on the lean path (``workers.api.views``), checked as
-    DRF checks a view with ``HolderAuthentication``, ``IsAuthenticated`` and
+    """The principal of a block request on the node server's own path (``workers.blockpath``),
+    checked as DRF checks a view with ``HolderAuthentication``, ``IsAuthenticated`` and
     ``PrincipalRateThrottle``: the same exceptions (401, 429 for the failed-auth budget and for
-    the principal's rate), for ``problem_http_response_for`` to answer alike."""
+    the principal's rate), for ``problem_answer`` to answer alike. ``request`` needs only
+    ``META``."""
     found = _HOLDER_AUTHENTICATION.authenticate(request)
     principal = found[0] if found is not None else None
     if not getattr(principal, "is_authenticated", False):
@@ -374,11 +375,25 @@ def problem_exception_handler(exc, context):
     return problem_response(problem, detail, status_code=status_code, headers=headers or None)
 
 
+def problem_answer(exc, where: str) -> tuple[int, list[tuple[str, str]], bytes]:
+    """``problem_exception_handler``'s answer to ``exc`` as a status, header fields and a body,
+    for code that answers without DRF (``problem_http_response_for``, and the node's server,
+    ``workers.blockpath``)."""
+    problem, detail, status_code, headers = problem_for_exception(exc, where)
+    document = problem_document(problem, detail, status=status_code)
+    fields = {"content-type": ("Content-Type", PROBLEM_MEDIA_TYPE)}
+    if document["status"] == status.HTTP_401_UNAUTHORIZED:
+        fields["www-authenticate"] = ("WWW-Authenticate", 'Bearer realm="kvsp"')
+    for name, value in headers.items():
+        fields[name.lower()] = (name, value)
+    return document["status"], list(fields.values()), orjson.dumps(document)
+
+
 def problem_http_response_for(exc, where: str) -> HttpResponse:
     """``problem_exception_handler`` for code outside DRF views: a plain Django response."""
-    problem, detail, status_code, headers = problem_for_exception(exc, where)
-    response = problem_http_response(problem, detail, status_code)
-    for name, value in headers.items():
+    status_code, fields, body = problem_answer(exc, where)
+    response = HttpResponse(body, status=status_code)
+    for name, value in fields:
         response[name] = value
     return response
 

@@ -71,10 +71,13 @@ class LoopStreamingResponse(StreamingHttpResponse):
 
 class WsgiOnLoop:
     """The ASGI application: ``wsgi_application`` in ``threads`` threads, and the bodies of
-    ``LoopStreamingResponse``s on the loop."""
+    ``LoopStreamingResponse``s on the loop. The requests that ``lean.route(scope)`` takes (a
+    node's block GETs, ``workers.blockpath``) are answered by ``lean.answer`` in the same
+    threads, without Django's handler."""
 
-    def __init__(self, wsgi_application, *, threads: int, body_limit: int):
+    def __init__(self, wsgi_application, *, threads: int, body_limit: int, lean=None):
         self.wsgi_application = wsgi_application
+        self.lean = lean
         self.threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvsp-http")
         # Octets of a request body read at most: one more than any parser accepts, so that a
         # larger body is still refused by the application (413) without being read whole.
@@ -99,6 +102,11 @@ class WsgiOnLoop:
                 return
 
     async def _http(self, scope, receive, send) -> None:
+        if self.lean is not None:
+            ids = self.lean.route(scope)
+            if ids is not None:
+                await self._lean(scope, receive, send, ids)
+                return
         loop = asyncio.get_running_loop()
         body = tempfile.SpooledTemporaryFile(max_size=_SPOOL_OCTETS)
         try:
@@ -113,7 +121,12 @@ class WsgiOnLoop:
         finally:
             body.close()
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        if streaming is None:
+        if isinstance(content, Pieces) and scope["method"] == "HEAD":
+            await send({"type": "http.response.body", "body": b""})
+            await loop.run_in_executor(self.threads, content.close)
+        elif isinstance(content, Pieces):
+            await self._send_pieces(content, send)
+        elif streaming is None:
             await send({"type": "http.response.body", "body": content})
         elif scope["method"] == "HEAD":  # the head is the whole answer
             await send({"type": "http.response.body", "body": b""})
@@ -121,6 +134,33 @@ class WsgiOnLoop:
             await loop.run_in_executor(self.threads, streaming.close)
         else:
             await self._stream(streaming, receive, send)
+
+    async def _lean(self, scope, receive, send, ids) -> None:
+        while True:  # a GET's body, if any, is not the answer's business
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            if not message.get("more_body", False):
+                break
+        loop = asyncio.get_running_loop()
+        answer = await loop.run_in_executor(self.threads, self.lean.answer, scope, ids)
+        start = {"type": "http.response.start", "status": answer.status, "headers": answer.fields}
+        await send(start)
+        rest = None if answer.rest is None else Pieces(answer.rest.pieces(), answer.rest.close)
+        await send({"type": "http.response.body", "body": answer.body, "more_body": bool(rest)})
+        if rest is not None:
+            await self._send_pieces(rest, send)
+
+    async def _send_pieces(self, pieces: Pieces, send) -> None:
+        """Send a body made in the threads a piece at a time, each piece read there as the
+        previous one goes out; the source is closed however the sending ends."""
+        loop = asyncio.get_running_loop()
+        try:
+            while (piece := await loop.run_in_executor(self.threads, pieces.next)) is not None:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await loop.run_in_executor(self.threads, pieces.close)
 
     async def _read_body(self, receive, body) -> int | None:
         received = 0
@@ -149,7 +189,10 @@ class WsgiOnLoop:
         response = self.wsgi_application(environ, start_response)
         streaming = response if isinstance(response, LoopStreamingResponse) else None
         content = b""
-        if streaming is None:
+        if streaming is None and getattr(response, "streaming", False):
+            # A body that may be large (a block from its file): sent a piece at a time.
+            content = Pieces(iter(response), response.close)
+        elif streaming is None:
             try:
                 content = b"".join(response)
             finally:
@@ -195,6 +238,27 @@ class WsgiOnLoop:
             await loop.run_in_executor(self.threads, response.close)
         if sending.done() and not sending.cancelled() and sending.exception() is not None:
             log.warning("an event stream failed: %r", sending.exception())
+
+
+class Pieces:
+    """The pieces of a body, each made by ``next`` in a request thread, and what closes their
+    source."""
+
+    def __init__(self, pieces, close):
+        self._pieces = pieces
+        self._close = close
+
+    def next(self) -> bytes | None:
+        for piece in self._pieces:
+            if piece:
+                return bytes(piece)
+        return None
+
+    def close(self) -> None:
+        self._close()
+
+    def __bool__(self) -> bool:
+        return True
 
 
 def _environ(scope, body, length: int) -> dict:

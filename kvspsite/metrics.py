@@ -79,6 +79,13 @@ OUTPUT_TOKENS = Counter(
     ["outcome"],
 )
 
+BLOCKS_SENT = Counter(
+    "kvsp_blocks_sent",
+    "Block representations a holder sent (6.7), whole or a layer range, per request that asked "
+    "for them: a GET of one block, or a batch (POST blocks/{compat}/{scope}), one per part.",
+    ["request"],
+)
+
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 

@@ -489,6 +489,22 @@ SCHEMAS.update(
             **_BINARY,
             "description": "a KV Block Container (spec 4.3) holding every layer from layer 0",
         },
+        "BlockBatchRequest": _object(
+            {
+                "block_keys": {
+                    "type": "array",
+                    "items": _hex(32),
+                    "minItems": 1,
+                    "uniqueItems": True,
+                    "description": "at most KVSP_MAX_BATCH_BLOCKS (256 unless set): else 413",
+                },
+            },
+            ["block_keys"],
+        ),
+        # One part per block asked for, in order: the container (Content-Type
+        # application/kvsp-block, Content-Length, Repr-Digest) or the block's problem details;
+        # each part names its block resource in Content-Location (README "Blocks in batches").
+        "BlockBatch": _BINARY,
         "LeaseRequest": _object(
             {
                 "compat_id": _hex(32),
@@ -758,6 +774,10 @@ OPERATIONS = {
             503: "Problem",
         },
     ),
+    ("/kvsp/blocks/{compat_id}/{scope_id}", "post"): (
+        "BlockBatchRequest",
+        {200: "BlockBatch", 400: "Problem", 413: "Problem", 422: "Problem"},
+    ),
     ("/kvsp/leases", "post"): (
         "LeaseRequest",
         {201: "LeaseGrant", 404: "Problem", 422: "Problem", 429: "Problem"},
@@ -793,7 +813,7 @@ OPERATIONS = {
 }
 
 # Bodies that are not JSON, by schema name.
-MEDIA_TYPES = {"BlockContainer": (BLOCK_TYPE,)}
+MEDIA_TYPES = {"BlockContainer": (BLOCK_TYPE,), "BlockBatch": ("multipart/mixed",)}
 
 _REPR_DIGEST = {"type": "string", "pattern": "^sha-256=:[A-Za-z0-9+/]{43}=:$"}
 

@@ -119,16 +119,13 @@ def stop_all(processes: list[Process], *, grace: float = 5.0) -> None:
         process.proc.wait()
 
 
-def server_argv(role: str, bind: str, *, workers: int, threads: int) -> tuple[list[str], dict]:
-    """The gunicorn command line of a role and what it adds to the environment. The control
-    plane runs under the ASGI worker (``kvspsite/asgi.py``: requests in ``threads`` threads,
-    output event streams on the event loop); a node under gthread."""
+def server_argv(bind: str, *, workers: int, threads: int) -> tuple[list[str], dict]:
+    """The gunicorn command line of a role and what it adds to the environment. Both roles run
+    under the ASGI worker (``kvspsite/asgi.py``): requests in ``threads`` threads per worker,
+    the control plane's output event streams and a node's block GETs on the event loop."""
     argv = [str(BIN / "gunicorn"), "--bind", bind, "--workers", str(workers)]
-    if role == "control":
-        argv += ["kvspsite.asgi:application", "--worker-class", "asgi"]
-        return argv, {"KVSP_HTTP_THREADS": str(threads)}
-    argv += ["kvspsite.wsgi:application", "--worker-class", "gthread", "--threads", str(threads)]
-    return argv, {}
+    argv += ["kvspsite.asgi:application", "--worker-class", "asgi"]
+    return argv, {"KVSP_HTTP_THREADS": str(threads)}
 
 
 class Server(Process):
@@ -139,12 +136,7 @@ class Server(Process):
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv, extra = server_argv(
-            env.get("KVSP_ROLE", "control"),
-            f"127.0.0.1:{self.port}",
-            workers=workers,
-            threads=threads,
-        )
+        argv, extra = server_argv(f"127.0.0.1:{self.port}", workers=workers, threads=threads)
         argv += ["--timeout", "120", "--graceful-timeout", "3"]
         super().__init__(name, argv, {**extra, **env}, log_dir)
 

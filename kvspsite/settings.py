@@ -266,6 +266,8 @@ if KVSP_DELEGATED_TTL_MS < 1:
     raise ImproperlyConfigured("KVSP_DELEGATED_TTL_MS must be at least 1")
 KVSP_MAX_LOOKUP_KEYS = _int_setting("KVSP_MAX_LOOKUP_KEYS", 65_536)
 KVSP_MAX_BATCH_RECORDS = _int_setting("KVSP_MAX_BATCH_RECORDS", 4096)
+# Blocks one batch GET (POST blocks/{compat}/{scope}) may ask a holder for.
+KVSP_MAX_BATCH_BLOCKS = _int_setting("KVSP_MAX_BATCH_BLOCKS", 256)
 KVSP_MAX_BLOCK_OCTETS = _int_setting("KVSP_MAX_BLOCK_OCTETS", 1024**3)
 KVSP_PREFETCH_DEADLINE_MS = _int_setting("KVSP_PREFETCH_DEADLINE_MS", 5_000)
 KVSP_PREFETCH_LEASE_MS = _int_setting("KVSP_PREFETCH_LEASE_MS", 30_000)

@@ -298,7 +298,7 @@ def lookup(compat_id: bytes, scope_id: bytes, block_keys: list[str]) -> dict:
     trip for a whole directive."""
     body = {"scope_id": scope_id.hex(), "compat_id": compat_id.hex(), "block_keys": block_keys}
     response = raise_for_problem(call(client(), "POST", f"{_base()}lookup", json=body))
-    return _records(response.json().get("blocks", []))
+    return _records(orjson.loads(response.content).get("blocks", []))
 
 
 def descriptor(compat_id: bytes) -> dict | None:

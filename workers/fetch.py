@@ -15,7 +15,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -43,6 +43,9 @@ from workers.links import Transfer
 # The media type of the KV Block Container (spec 11.1). This module needs nothing of Django,
 # so that any client can fetch and verify blocks with it.
 KVSP_BLOCK = MEDIA_TYPE
+
+# What a holder answers a batch of blocks with (README "Blocks in batches").
+BATCH_MEDIA_TYPE = "multipart/mixed"
 
 # Octets read from the socket at a time: a layer's digest is checked as soon as it is in.
 CHUNK = 1 << 20
@@ -189,10 +192,17 @@ class BlockConnections:
             for connection in connections:
                 connection.close()
 
-    @contextmanager
-    def get(self, url: str, headers: dict[str, str], timeout: float) -> Iterator[_Response]:
+    def get(self, url: str, headers: dict[str, str], timeout: float):
         """GET ``url``; the response, whose body the caller reads with ``readinto``. The
         connection goes back to the idle ones only when its response was read to the end."""
+        return self.request("GET", url, headers, timeout)
+
+    @contextmanager
+    def request(
+        self, method: str, url: str, headers: dict[str, str], timeout: float, body=None
+    ) -> Iterator[_Response]:
+        """``method`` on ``url`` with ``body``, as ``get``: only for requests that are safe to
+        send again (a GET, or a POST that only reads, such as a batch of blocks)."""
         parts = urlsplit(url)
         if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
             raise ProtocolError("kvsp-upstream-error", f"not an http(s) URL: {url}")
@@ -203,15 +213,16 @@ class BlockConnections:
         response = None
         try:
             try:
-                connection.request("GET", target, headers=fields)
+                connection.request(method, target, body=body, headers=fields)
                 raw = connection.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 if not reused:
                     raise
-                # The origin closed the idle connection meanwhile: a GET is safe to send again.
+                # The origin closed the idle connection meanwhile: the request is safe to send
+                # again.
                 connection.close()
                 connection, _ = self._take(origin, timeout, fresh=True)
-                connection.request("GET", target, headers=fields)
+                connection.request(method, target, body=body, headers=fields)
                 raw = connection.getresponse()
             response = _Response(raw)
             yield response
@@ -270,6 +281,10 @@ class _Response:
         Past what the client buffered, the socket writes into ``target`` itself."""
         return self._raw.readinto(target)
 
+    def readline(self, limit: int) -> bytes:
+        """One line of the body, with its line end, of at most ``limit`` octets."""
+        return self._raw.readline(limit)
+
     def read_all(self, limit: int = 1 << 16) -> bytes:
         """The (short) body of an answer that is not a block, at most ``limit`` octets."""
         data = self._raw.read(limit)
@@ -311,27 +326,18 @@ def fetch_block(
     each layer's digest is checked as the layer completes and the representation's as each
     piece arrives, so each octet is copied once and hashed once for each digest it is under.
     """
-    if expected.layer_digests is None:
-        raise ProtocolError(
-            "kvsp-upstream-error", "the source's record has no layer_digests to verify against"
-        )
+    _check_expected(expected)
     url = f"{holder}blocks/{expected.compat_id}/{expected.scope_id}/{expected.block_key}"
     what = f"GET {url}"
     started = time.perf_counter()
     headers = _bearer(token, {"Accept": KVSP_BLOCK})
     try:
         with connections.get(url, headers, _seconds(deadline)) as response:
-            first_byte_s = time.perf_counter() - started
+            head_s = time.perf_counter() - started
             if response.status_code != 200:
                 raise _problem_of(
                     response.status_code, response.reason_phrase, response.read_all(), what
                 )
-            field = response.headers.get("Repr-Digest")
-            if field is None:
-                raise ProtocolError("kvsp-upstream-error", f"{what}: no Repr-Digest field")
-            claimed = parse_repr_digest(field, problem="kvsp-upstream-error").get(ALGORITHM)
-            if claimed is None:
-                raise ProtocolError("kvsp-upstream-error", f"{what}: Repr-Digest has no sha-256")
             length = parse_decimal(
                 response.headers.get("Content-Length") or "0",
                 f"{what}: Content-Length",
@@ -341,66 +347,330 @@ def fetch_block(
                 raise ProtocolError(
                     "kvsp-payload-too-large", f"{what}: {length} octets exceed {max_size}"
                 )
-            reader = ContainerStreamReader(
-                max_size=max(min(max_size, length or max_size), 20),
-                max_layers=len(expected.layer_digests),
-                expected_layer_digests=expected.layer_digests,
-                expected_first_layer=0,
+            received = _receive(
+                response.readinto,
+                length or max_size,
+                response.headers.get("Repr-Digest"),
+                expected,
+                what,
+                deadline,
             )
-            hasher = ReprDigestHasher()
-            while True:
-                target = reader.get_buffer()
-                if not target:
-                    break
-                # Up to CHUNK octets at a time, straight into the container's buffer: a body
-                # that trickles is seen to pass the deadline between its pieces.
-                target = target[:CHUNK]
-                count = response.readinto(target)
-                if not count:
-                    break  # the body ended early: ``finish`` says what is missing
-                hasher.update(target[:count])
-                reader.buffer_updated(count)
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise DeadlineExpired("the deadline passed")
             if response.read_all(1):
                 raise ProtocolError(
                     "kvsp-invalid-container",
-                    f"{what}: trailing octets after the container's {reader.size} octets",
+                    f"{what}: trailing octets after the container's {received.size} octets",
                 )
-            last_octet_at = time.perf_counter()
-            container = reader.finish()
     except (OSError, http.client.HTTPException) as exc:
-        if deadline is not None and time.monotonic() >= deadline:
-            raise DeadlineExpired("the deadline passed") from exc
-        raise ProtocolError("kvsp-upstream-error", f"{what}: {exc.__class__.__name__}") from exc
-    repr_sha256 = hasher.digest()
-    verify_repr_digest(field, sha256=repr_sha256, problem="kvsp-upstream-error")
-    if container.codec != expected.codec:
+        raise _transport_failure(exc, what, deadline) from exc
+    return received.verified(expected, what, started, head_s)
+
+
+def _check_expected(expected: ReplicaRecord) -> None:
+    if expected.layer_digests is None:
         raise ProtocolError(
-            "kvsp-upstream-error", f"{what}: codec {container.codec}, not {expected.codec}"
+            "kvsp-upstream-error", "the source's record has no layer_digests to verify against"
         )
-    digests = reader.layer_digests
-    if container.layer_count != len(expected.layer_digests):
-        raise ProtocolError(
-            "kvsp-upstream-error",
-            f"{what}: {container.layer_count} layers, the record lists "
-            f"{len(expected.layer_digests)}",
+
+
+def _transport_failure(exc: Exception, what: str, deadline: float | None) -> Exception:
+    if deadline is not None and time.monotonic() >= deadline:
+        return DeadlineExpired("the deadline passed")
+    return ProtocolError("kvsp-upstream-error", f"{what}: {exc.__class__.__name__}")
+
+
+@dataclass
+class _Received:
+    """A container as it arrived, before the checks that need all of it."""
+
+    reader: ContainerStreamReader
+    container: Container
+    field: str
+    repr_sha256: bytes
+    head_at: float
+    last_octet_at: float
+
+    @property
+    def size(self) -> int:
+        return len(self.container.buffer)
+
+    def verified(self, expected, what: str, started: float, head_s: float) -> FetchedBlock:
+        """The block, once Repr-Digest, the codec, the layer count and the replica digest are
+        checked (each layer's digest was as it arrived)."""
+        verify_repr_digest(self.field, sha256=self.repr_sha256, problem="kvsp-upstream-error")
+        container = self.container
+        if container.codec != expected.codec:
+            raise ProtocolError(
+                "kvsp-upstream-error", f"{what}: codec {container.codec}, not {expected.codec}"
+            )
+        digests = self.reader.layer_digests
+        if container.layer_count != len(expected.layer_digests):
+            raise ProtocolError(
+                "kvsp-upstream-error",
+                f"{what}: {container.layer_count} layers, the record lists "
+                f"{len(expected.layer_digests)}",
+            )
+        verify_replica_digest(digests, expected.digest)
+        return FetchedBlock(
+            container=container,
+            buffer=container.buffer,
+            repr_sha256=self.repr_sha256,
+            layer_digests=digests,
+            first_byte_s=head_s,
+            elapsed_s=time.perf_counter() - started,
+            transfer=Transfer(
+                head_at=self.head_at,
+                last_octet_at=self.last_octet_at,
+                head_s=head_s,
+                octets=self.size,
+            ),
         )
-    verify_replica_digest(digests, expected.digest)
-    return FetchedBlock(
-        container=container,
-        buffer=container.buffer,
-        repr_sha256=repr_sha256,
-        layer_digests=digests,
-        first_byte_s=first_byte_s,
-        elapsed_s=time.perf_counter() - started,
-        transfer=Transfer(
-            head_at=started + first_byte_s,
-            last_octet_at=last_octet_at,
-            head_s=first_byte_s,
-            octets=len(container.buffer),
-        ),
+
+
+def _receive(
+    readinto,
+    length: int,
+    field: str | None,
+    expected: ReplicaRecord,
+    what: str,
+    deadline: float | None,
+) -> _Received:
+    """Read a container of at most ``length`` octets with ``readinto`` (which fills a view and
+    says how much it wrote, 0 at the end), checking each layer against ``expected`` as it
+    completes and hashing the whole for ``field``, its Repr-Digest."""
+    head_at = time.perf_counter()
+    if field is None:
+        raise ProtocolError("kvsp-upstream-error", f"{what}: no Repr-Digest field")
+    claimed = parse_repr_digest(field, problem="kvsp-upstream-error").get(ALGORITHM)
+    if claimed is None:
+        raise ProtocolError("kvsp-upstream-error", f"{what}: Repr-Digest has no sha-256")
+    reader = ContainerStreamReader(
+        max_size=max(length, 20),
+        max_layers=len(expected.layer_digests),
+        expected_layer_digests=expected.layer_digests,
+        expected_first_layer=0,
     )
+    hasher = ReprDigestHasher()
+    while True:
+        target = reader.get_buffer()
+        if not target:
+            break
+        # Up to CHUNK octets at a time, straight into the container's buffer: a body that
+        # trickles is seen to pass the deadline between its pieces.
+        target = target[:CHUNK]
+        count = readinto(target)
+        if not count:
+            break  # the body ended early: ``finish`` says what is missing
+        hasher.update(target[:count])
+        reader.buffer_updated(count)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExpired("the deadline passed")
+    last_octet_at = time.perf_counter()
+    container = reader.finish()
+    return _Received(reader, container, field, hasher.digest(), head_at, last_octet_at)
+
+
+# The most octets of a part's header fields, and of a miss's problem details, in a batch.
+_PART_HEAD_OCTETS = 8192
+_PROBLEM_OCTETS = 1 << 16
+
+
+class BatchRefused(Exception):
+    """The holder did not answer with the batch: ask for each block on its own. ``unsupported``
+    when its answer says it has no such resource (a holder that speaks the spec alone), so that
+    it is not asked for batches again."""
+
+    def __init__(self, detail: str, status: int):
+        super().__init__(detail)
+        self.unsupported = status in (400, 404, 405, 406, 415, 501)
+
+
+def fetch_blocks(
+    connections: BlockConnections,
+    holder: str,
+    expected: list[ReplicaRecord],
+    *,
+    max_size: int,
+    token: str | None = None,
+    deadline: float | None = None,
+) -> Iterator[tuple[ReplicaRecord, FetchedBlock | ProtocolError]]:
+    """Retrieve the blocks ``expected`` lists (one compat and scope, at ``holder``) in one
+    request (README "Blocks in batches"), each verified exactly as ``fetch_block`` verifies a
+    block: as each block's part completes, (its record, the verified block or the
+    ProtocolError it is refused with: a SourceMiss for a miss). Raises BatchRefused when the
+    holder answers otherwise than with the batch, ProtocolError when the answer breaks off or
+    is malformed (the blocks not yielded yet were not received), DeadlineExpired when the
+    deadline passes first."""
+    for record in expected:
+        _check_expected(record)
+    first = expected[0]
+    url = f"{holder}blocks/{first.compat_id}/{first.scope_id}"
+    what = f"POST {url}"
+    started = time.perf_counter()
+    headers = _bearer(token, {"Accept": BATCH_MEDIA_TYPE, "Content-Type": "application/json"})
+    body = orjson.dumps({"block_keys": [record.block_key for record in expected]})
+    try:
+        with connections.request("POST", url, headers, _seconds(deadline), body=body) as response:
+            head_s = time.perf_counter() - started
+            media_type, _, parameters = response.headers.get("Content-Type", "").partition(";")
+            boundary = _boundary(parameters)
+            if (
+                response.status_code != 200
+                or media_type.strip().lower() != BATCH_MEDIA_TYPE
+                or boundary is None
+            ):
+                response.read_all()
+                raise BatchRefused(
+                    f"{what}: {response.status_code} {media_type}", response.status_code
+                )
+            parts = _Parts(response, boundary, what)
+            for record in expected:
+                fields = parts.next_head()
+                location = f"blocks/{record.compat_id}/{record.scope_id}/{record.block_key}"
+                if fields.get("content-location") != location:
+                    raise ProtocolError(
+                        "kvsp-upstream-error", f"{what}: a part is not {location} as asked"
+                    )
+                part = f"{what} ({record.block_key})"
+                length = parse_decimal(
+                    fields.get("content-length", ""),
+                    f"{part}: Content-Length",
+                    problem="kvsp-upstream-error",
+                )
+                if fields.get("content-type", "").lower() != KVSP_BLOCK:
+                    yield record, parts.problem(length, part)
+                    continue
+                if length > max_size:
+                    raise ProtocolError(
+                        "kvsp-payload-too-large", f"{part}: {length} octets exceed {max_size}"
+                    )
+                body_view = parts.body(length)
+                try:
+                    received = _receive(
+                        body_view.readinto,
+                        length,
+                        fields.get("repr-digest"),
+                        expected=record,
+                        what=part,
+                        deadline=deadline,
+                    )
+                    body_view.finish(received.size, part)
+                    outcome = received.verified(record, part, started, head_s)
+                except ProtocolError as exc:
+                    # The part is refused; its length still says where the next one starts.
+                    body_view.skip()
+                    outcome = exc
+                parts.end_part()
+                yield record, outcome
+            parts.close()
+    except (OSError, http.client.HTTPException) as exc:
+        raise _transport_failure(exc, what, deadline) from exc
+
+
+def _boundary(parameters: str) -> str | None:
+    for parameter in parameters.split(";"):
+        name, _, value = parameter.strip().partition("=")
+        if name.lower() == "boundary" and value:
+            value = value.strip('"')
+            return value if 0 < len(value) <= 70 else None
+    return None
+
+
+class _Parts:
+    """The parts of a ``multipart/mixed`` answer as ``fetch_blocks`` reads them: each starts
+    with its delimiter line and header fields, carries Content-Length octets, and ends with a
+    CRLF; the close delimiter ends the body."""
+
+    def __init__(self, response, boundary: str, what: str):
+        self._response = response
+        self._delimiter = f"--{boundary}\r\n".encode("ascii")
+        self._close = f"--{boundary}--\r\n".encode("ascii")
+        self._what = what
+
+    def _malformed(self, why: str) -> ProtocolError:
+        return ProtocolError("kvsp-upstream-error", f"{self._what}: {why}")
+
+    def next_head(self) -> dict[str, str]:
+        line = self._response.readline(len(self._delimiter) + 1)
+        if line != self._delimiter:
+            raise self._malformed("the answer ends or breaks off before a part asked for")
+        fields: dict[str, str] = {}
+        spent = 0
+        while True:
+            line = self._response.readline(_PART_HEAD_OCTETS + 1)
+            spent += len(line)
+            if spent > _PART_HEAD_OCTETS or not line.endswith(b"\r\n"):
+                raise self._malformed("a part's header fields are too long or cut off")
+            if line == b"\r\n":
+                return fields
+            name, colon, value = line[:-2].decode("latin-1").partition(":")
+            if not colon or not name or name != name.strip():
+                raise self._malformed("a part has a malformed header field")
+            fields[name.lower()] = value.strip()
+
+    def body(self, length: int) -> _PartBody:
+        return _PartBody(self._response, length)
+
+    def problem(self, length: int, part: str) -> ProtocolError:
+        """The problem details a part carries instead of a block."""
+        if length > _PROBLEM_OCTETS:
+            raise self._malformed("a part's problem details are too long")
+        body = _PartBody(self._response, length)
+        document = body.read_all()
+        self.end_part()
+        status = 502
+        with suppress(orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            status = int(orjson.loads(document).get("status", 502))
+        return _problem_of(status, "", document, part)
+
+    def end_part(self) -> None:
+        if self._response.readline(3) != b"\r\n":
+            raise self._malformed("a part is longer than its Content-Length")
+
+    def close(self) -> None:
+        if self._response.readline(len(self._close) + 1) != self._close:
+            raise self._malformed("the answer has more parts than blocks asked for")
+        if self._response.read_all(1):
+            raise self._malformed("octets follow the close delimiter")
+
+
+class _PartBody:
+    """The octets of one part, and no more."""
+
+    def __init__(self, response, length: int):
+        self._response = response
+        self.left = length
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def readinto(self, target: memoryview) -> int:
+        if not self.left:
+            return 0
+        count = self._response.readinto(target[: self.left])
+        self.left -= count
+        return count
+
+    def read_all(self) -> bytes:
+        buffer = bytearray(self.left)
+        view = memoryview(buffer)
+        while self.left:
+            if not self.readinto(view[len(buffer) - self.left :]):
+                raise ProtocolError("kvsp-upstream-error", "a part ends before its Content-Length")
+        return bytes(buffer)
+
+    def skip(self) -> None:
+        scratch = memoryview(bytearray(min(self.left, CHUNK) or 1))
+        while self.left:
+            if not self.readinto(scratch[: min(self.left, len(scratch))]):
+                raise ProtocolError("kvsp-upstream-error", "a part ends before its Content-Length")
+
+    def finish(self, size: int, part: str) -> None:
+        if self.left:
+            raise ProtocolError(
+                "kvsp-invalid-container",
+                f"{part}: trailing octets after the container's {size} octets",
+            )
 
 
 def store_block(

@@ -16,9 +16,13 @@ verifying its octets:
 - one lease per source for all the blocks that list it first, taken by the first fetcher that
   needs it (a slow source holds up only its own blocks); a source that refuses it (it lacks one
   of them, or its quota is short) is leased block by block;
+- the blocks that list the same source first go to it in batches (README "Blocks in batches":
+  one request answers up to ``BATCH_GET_BLOCKS`` blocks, or ``BATCH_GET_OCTETS``, each part
+  verified as its own GET would be), as many batches as there are fetchers at least; a source
+  that answers no batch is asked block by block, with one GET each, from then on;
 - ``parallel`` fetchers share one pool of kept-alive connections (``fetch.BlockConnections``,
-  which reads each body from the socket straight into its container's buffer), so GETs are in
-  flight together and one block's verification (hashlib releases the GIL on large buffers)
+  which reads each body from the socket straight into its container's buffer), so requests are
+  in flight together and one block's verification (hashlib releases the GIL on large buffers)
   overlaps the others' transfers;
 - the calling thread admits what the fetchers have ready to the tier store as one batch, in one
   transaction under one lock of the node, reports the batch (a directive's progress is one
@@ -62,6 +66,9 @@ AHEAD_BLOCKS = 2 * BATCH_BLOCKS
 # An admission and its publication cost a few statements and a request whatever their size, so
 # a batch of fewer blocks than there are fetchers waits this long at most for the next ones.
 BATCH_WAIT_S = 0.02
+# The most blocks, and octets, one request to a source asks for.
+BATCH_GET_BLOCKS = 64
+BATCH_GET_OCTETS = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ class Loader:
         self._arrivals: queue.Queue = queue.Queue(maxsize=AHEAD_BLOCKS)
         self._running = 0  # fetchers that have not said _DONE yet
         self._connections: fetch.BlockConnections | None = None
+        self._unbatched: set[str] = set()  # sources that answer no batch of blocks
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -154,10 +162,9 @@ class Loader:
         if not self.wanted:
             return self
         for item in self.wanted:
-            first = next((s for s in item.sources if s != settings.KVSP_PUBLIC_URL), None)
+            first = self._first_source(item)
             if first is not None:
                 self._lease_keys.setdefault(first, []).append(item.block_key)
-        work = iter(self.wanted)
         work_lock = threading.Lock()
         count = max(1, min(settings.KVSP_PREFETCH_PARALLEL, len(self.wanted)))
         # No token of the node's own: each request to a source carries the delegated token for
@@ -177,6 +184,7 @@ class Loader:
             for thread in leasing:
                 thread.start()
             self._expect([item.block_key for item in self.wanted])
+            work = iter(self._batches(count))
             threads = [
                 threading.Thread(
                     target=self._fetcher,
@@ -296,18 +304,45 @@ class Loader:
 
     # -- the fetchers ------------------------------------------------------------------------
 
+    def _batches(self, fetchers: int):
+        """The blocks in order, in runs that a fetcher asks one source for in one request: the
+        same first source, its record known, at most ``BATCH_GET_BLOCKS`` blocks and
+        ``BATCH_GET_OCTETS`` octets, and no more than an even share among ``fetchers``, so
+        that every fetcher has a batch of its own."""
+        share = max(1, min(BATCH_GET_BLOCKS, -(-len(self.wanted) // fetchers)))
+        batch: list[Wanted] = []
+        source, octets = None, 0
+        for item in self.wanted:
+            first = self._first_source(item)
+            record = self._expected.get(item.block_key, {}).get(first)
+            size = record.size if record is not None else BATCH_GET_OCTETS
+            if batch and (
+                first != source or len(batch) >= share or octets + size > BATCH_GET_OCTETS
+            ):
+                yield batch
+                batch, octets = [], 0
+            batch.append(item)
+            source, octets = first, octets + size
+        if batch:
+            yield batch
+
+    @staticmethod
+    def _first_source(item: Wanted) -> str | None:
+        return next((s for s in item.sources if s != settings.KVSP_PUBLIC_URL), None)
+
     def _fetcher(self, client, work, work_lock) -> None:
-        item = None
+        batch = None
         try:
             while not self._stop.is_set():
                 with work_lock:
-                    item = next(work, None)
-                if item is None:
+                    batch = next(work, None)
+                if batch is None:
                     return
-                self._load(client, item)
+                self._load_batch(client, batch)
         except Exception:
             log.exception("%s: a fetcher failed", self.label)
-            if item is not None:
+            if batch:
+                item = batch[0]
                 self._fail(
                     Failure(item.index, item.block_key, [("this instance", "it failed loading")])
                 )
@@ -316,10 +351,93 @@ class Loader:
             connections.close_all()
             self._arrivals.put(_DONE)
 
-    def _load(self, client, item: Wanted) -> None:
-        reasons = []
+    def _load_batch(self, client, batch: list[Wanted]) -> None:
+        """Load ``batch`` from its first source in one request where it can, and each block
+        that fails there, or that the request did not bring, on its own from the sources after
+        it (or, when the source answered no batch, from every source)."""
+        left = {item.block_key: item for item in batch}
+        outcomes = self._fetch_batch(client, batch)
         try:
-            for source in item.sources:
+            for item, outcome in outcomes:
+                del left[item.block_key]
+                if isinstance(outcome, services.LoadedBlock):
+                    self._arrivals.put(_Arrival(item, outcome))
+                else:
+                    source, reason = outcome
+                    self._load(client, item, [(source, reason)], after=source)
+                if self._stop.is_set():
+                    return
+        except fetch.DeadlineExpired:
+            self.deadline_hit = True
+            self._stop.set()
+            return
+        finally:
+            outcomes.close()  # a request left unread is not kept alive
+        for item in batch:
+            if self._stop.is_set():
+                return
+            if item.block_key in left:
+                self._load(client, item)
+
+    def _fetch_batch(self, client, batch: list[Wanted]):
+        """(block, its LoadedBlock or the (source, reason) it was refused for) for the blocks
+        of ``batch`` that its first source answered in one request; none when it could not be
+        asked for them so (a single block, an unknown record, no lease, no token, no batches
+        at that source) or answered otherwise."""
+        source = self._first_source(batch[0])
+        if len(batch) < 2 or source is None or source in self._unbatched:
+            return
+        records = [self._expected.get(item.block_key, {}).get(source) for item in batch]
+        if any(record is None for record in records) or time.monotonic() >= self.deadline:
+            return
+        lease = self._lease_at(client, source)
+        if lease is None or not {item.block_key for item in batch} <= set(lease.grant.block_keys):
+            return
+        try:
+            token = self._token(source)
+        except _Refused:
+            return
+        items = {item.block_key: item for item in batch}
+        try:
+            for record, outcome in fetch.fetch_blocks(
+                self._connections,
+                source,
+                records,
+                max_size=settings.KVSP_MAX_BLOCK_OCTETS,
+                token=token,
+                deadline=self.deadline,
+            ):
+                item = items[record.block_key]
+                if isinstance(outcome, ProtocolError):
+                    yield item, (source, self._refusal(item.block_key, source, outcome))
+                    continue
+                try:
+                    yield item, self._keep(item.block_key, source, outcome)
+                except _Refused as exc:
+                    yield item, (source, str(exc))
+        except fetch.BatchRefused as exc:
+            if exc.unsupported:
+                self._unbatched.add(source)
+            log.info("%s: %s: block by block", self.label, exc)
+        except ProtocolError as exc:
+            log.warning("%s: a batch from %s broke off: %s", self.label, source, exc.detail)
+
+    def _load(
+        self,
+        client,
+        item: Wanted,
+        reasons: list[tuple[str, str]] | None = None,
+        *,
+        after: str | None = None,
+    ) -> None:
+        """Load ``item`` on its own from its sources in order (those after ``after`` when
+        given), adding to ``reasons`` why each refused it."""
+        reasons = list(reasons or [])
+        sources = list(item.sources)
+        if after is not None:
+            sources = sources[sources.index(after) + 1 :]
+        try:
+            for source in sources:
                 try:
                     block = self._load_from(client, item.block_key, source)
                 except _Refused as exc:
@@ -429,22 +547,33 @@ class Loader:
                 token=token,
                 deadline=self.deadline,
             )
+        except ProtocolError as exc:
+            raise _Refused(self._refusal(block_key, source, exc)) from exc
+        finally:
+            if lease is not None:
+                fetch.release_lease(client, lease, token=token)
+        return self._keep(block_key, source, fetched)
+
+    def _refusal(self, block_key: str, source: str, exc: ProtocolError) -> str:
+        """Why ``source`` did not give ``block_key``, logged; a token it refused is not
+        presented again."""
+        log.warning("%s: block %s from %s refused: %s", self.label, block_key, source, exc.detail)
+        if exc.problem == "kvsp-unauthenticated":
+            control.forget_delegated_token(self.scope_id, source)
+        return exc.detail
+
+    def _keep(self, block_key: str, source: str, fetched: fetch.FetchedBlock):
+        """A verified block, checked (``check``), its device copy prepared and its octets
+        spooled: the LoadedBlock to admit; _Refused says why not."""
+        ids = (self.compat_id, self.scope_id, bytes.fromhex(block_key))
+        try:
             if self.check is not None:
                 self.check(fetched)
-            ids = (self.compat_id, self.scope_id, bytes.fromhex(block_key))
             install = None
             if self.pending_move_id is None:
                 install = services.prepare_device_copy(ids, fetched.container, self.device_tier)
         except ProtocolError as exc:
-            log.warning(
-                "%s: block %s from %s refused: %s", self.label, block_key, source, exc.detail
-            )
-            if exc.problem == "kvsp-unauthenticated":
-                control.forget_delegated_token(self.scope_id, source)
-            raise _Refused(exc.detail) from exc
-        finally:
-            if lease is not None:
-                fetch.release_lease(client, lease, token=token)
+            raise _Refused(self._refusal(block_key, source, exc)) from exc
         fields = services.BlockFields(
             codec=fetched.container.codec,
             size=fetched.size,

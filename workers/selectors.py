@@ -58,6 +58,54 @@ _HELD_BLOCK_WHERE = (
 _HELD_BLOCK = f"SELECT {_COLUMNS} FROM {StoredBlock._meta.db_table} WHERE {_HELD_BLOCK_WHERE}"  # noqa: S608
 
 
+_BLOCKS_WITH_KEYS = (
+    f"SELECT {_COLUMNS} FROM {StoredBlock._meta.db_table} "  # noqa: S608
+    "WHERE instance = %s AND block_key = ANY(%s)"
+)
+
+
+def blocks_with_keys(name: str, keys: list[bytes]) -> list[StoredBlock]:
+    """The node's rows (held or pending) of any of ``keys``, whatever their compat and scope,
+    in one statement of one fixed text."""
+    if connection.vendor != "postgresql":
+        return list(StoredBlock.objects.filter(instance=name, block_key__in=keys))
+    with connection.cursor() as cursor:
+        cursor.execute(_BLOCKS_WITH_KEYS, [name, list(keys)])
+        rows = cursor.fetchall()
+    return [StoredBlock.from_db(connection.alias, _FIELDS, row) for row in rows]
+
+
+_HELD_BLOCKS_BY_ID = (
+    f"SELECT {_COLUMNS} FROM {StoredBlock._meta.db_table} "  # noqa: S608
+    "WHERE id = ANY(%s) AND pending_move_id IS NULL"
+)
+_RESIDENCIES = (
+    f"SELECT id, tier, device_layers FROM {StoredBlock._meta.db_table} "  # noqa: S608
+    "WHERE id = ANY(%s)"
+)
+
+
+def held_blocks_by_id(pks: list[int]) -> list[StoredBlock]:
+    """The rows of ``pks`` that are replicas (not pending for a reshard move)."""
+    if connection.vendor != "postgresql":
+        return list(StoredBlock.objects.filter(pk__in=pks, pending_move__isnull=True))
+    with connection.cursor() as cursor:
+        cursor.execute(_HELD_BLOCKS_BY_ID, [list(pks)])
+        rows = cursor.fetchall()
+    return [StoredBlock.from_db(connection.alias, _FIELDS, row) for row in rows]
+
+
+def residencies(pks: list[int]) -> dict[int, tuple[str, int]]:
+    """(tier, device_layers) of each row of ``pks`` that still exists: where its layers are."""
+    if connection.vendor != "postgresql":
+        rows = StoredBlock.objects.filter(pk__in=pks).values_list("pk", "tier", "device_layers")
+    else:
+        with connection.cursor() as cursor:
+            cursor.execute(_RESIDENCIES, [list(pks)])
+            rows = cursor.fetchall()
+    return {pk: (tier, device_layers) for pk, tier, device_layers in rows}
+
+
 def held_block(name: str, compat_id: bytes, scope_id: bytes, block_key: bytes):
     if connection.vendor != "postgresql":
         # SQLite hands raw cursors text and naive datetimes: only the ORM converts them.
@@ -117,8 +165,47 @@ def read_block(principal, compat_id: bytes, scope_id: bytes, block_key: bytes):
     return None if row is None else StoredBlock.from_db(connection.alias, _FIELDS, row[:-1])
 
 
+_HELD_BLOCKS_WHERE = (
+    "instance = %s AND compat_id = %s AND scope_id = %s AND block_key = ANY(%s) "
+    "AND pending_move_id IS NULL"
+)
+_READ_AND_TOUCH_HELD_BLOCKS = (
+    f"WITH touched AS (UPDATE {StoredBlock._meta.db_table} SET last_access = %s "  # noqa: S608
+    f"WHERE {_HELD_BLOCKS_WHERE} AND last_access < %s) "
+    f"SELECT {_COLUMNS}, set_config('synchronous_commit', 'off', true) "
+    f"FROM {StoredBlock._meta.db_table} WHERE {_HELD_BLOCKS_WHERE}"
+)
+
+
+def read_blocks(principal, compat_id: bytes, scope_id: bytes, keys: list[bytes]) -> dict:
+    """``read_block`` for many keys of one compat and scope at once, in one statement on
+    Postgres: the held blocks by key (none for a scope the principal may not read)."""
+    if not may_read_scope(principal, scope_id):
+        return {}
+    name = node_name()
+    now = timezone.now()
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        found = held_blocks(name).filter(compat_id=compat_id, scope_id=scope_id, block_key__in=keys)
+        blocks = {bytes(block.block_key): block for block in found}
+        stale = [b.pk for b in blocks.values() if now - b.last_access >= ACCESS_RESOLUTION]
+        if stale:
+            StoredBlock.objects.filter(pk__in=stale).update(last_access=now)
+        return blocks
+    ids = [name, compat_id, scope_id, list(keys)]
+    rows = _fetch_all_checking_by_use(
+        _READ_AND_TOUCH_HELD_BLOCKS, [now, *ids, now - ACCESS_RESOLUTION, *ids]
+    )
+    blocks = (StoredBlock.from_db(connection.alias, _FIELDS, row[:-1]) for row in rows)
+    return {bytes(block.block_key): block for block in blocks}
+
+
 def _fetch_one_checking_by_use(sql: str, params: list):
-    """One row of a statement that may run twice (outside a transaction), on the connection
+    rows = _fetch_all_checking_by_use(sql, params)
+    return rows[0] if rows else None
+
+
+def _fetch_all_checking_by_use(sql: str, params: list) -> list:
+    """The rows of a statement that may run twice (outside a transaction), on the connection
     kept from an earlier request without Django's health check of it (CONN_HEALTH_CHECKS: a
     ``SELECT 1``, a round trip of its own before the request's first query). Should the
     connection have died since (a database restart), the statement fails, and it runs once
@@ -128,12 +215,12 @@ def _fetch_one_checking_by_use(sql: str, params: list):
         try:
             with connection.cursor() as cursor:
                 cursor.execute(sql, params)
-                return cursor.fetchone()
+                return cursor.fetchall()
         except (OperationalError, InterfaceError):
             connection.close()
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return cursor.fetchone()
+        return cursor.fetchall()
 
 
 def touch(block: StoredBlock, now: datetime | None = None) -> None:

@@ -31,6 +31,7 @@ cap: free room goes to whoever stores first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import secrets
@@ -42,7 +43,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
@@ -137,7 +138,7 @@ def publish_all(pks: list[int]) -> int:
     current = 0
     pending = list(pks)
     for _ in range(3):
-        blocks = list(StoredBlock.objects.filter(pk__in=pending, pending_move__isnull=True))
+        blocks = selectors.held_blocks_by_id(pending)
         if not blocks:
             break
         asked_at = timezone.now()
@@ -148,14 +149,14 @@ def publish_all(pks: list[int]) -> int:
         with transaction.atomic():
             for name in sorted({block.instance for block in blocks}):
                 lock_node(name)
-            rows = StoredBlock.objects.in_bulk([block.pk for block in blocks])
+            now_at = selectors.residencies([block.pk for block in blocks])
             gone: dict[str, list[BlockIds]] = {}
             for block in blocks:
-                row = rows.get(block.pk)
-                if row is None:
+                residency = now_at.get(block.pk)
+                if residency is None:
                     if block.pk in published:
                         gone.setdefault(block.instance, []).append(block.ids)
-                elif _residency_key(row) != _residency_key(block):
+                elif residency != _residency_key(block):
                     pending.append(block.pk)
                 elif block.pk in published:
                     current += 1
@@ -661,9 +662,7 @@ def _place_many_locked(
     caller, who publishes them at once, could not; ``republish``, when given, gathers the rows
     whose device copies made room, for the caller to publish with them."""
     devices = devices or {}
-    existing = StoredBlock.objects.filter(
-        instance=name, block_key__in=[ids[2] for ids, _, _ in prepared]
-    )
+    existing = selectors.blocks_with_keys(name, [ids[2] for ids, _, _ in prepared])
     wanted = {ids for ids, _, _ in prepared}
     held = set()
     for block in existing:
@@ -714,7 +713,7 @@ def _place_many_locked(
         rows[ids] = row
     for ids in dropped & rows.keys():  # a copy of this batch made room for a later one
         rows[ids].device_layers = rows[ids].device_octets = 0
-    created = StoredBlock.objects.bulk_create(list(rows.values()))
+    created = _insert_stored_blocks(list(rows.values()))
     _drop_device_copies(name, dropped - rows.keys(), republish)
     for compat_id, scope_id in {(ids[0], ids[1]) for ids, _, _ in fresh}:
         PendingWithdrawal.objects.filter(
@@ -723,7 +722,33 @@ def _place_many_locked(
             scope_id=scope_id,
             block_key__in=[ids[2] for ids, _, _ in fresh if ids[:2] == (compat_id, scope_id)],
         ).delete()
-    return [row.pk for row in created]
+    return created
+
+
+# The columns of an admitted batch's rows, every row in one statement of one fixed text (so
+# that it is planned once per connection): one array parameter per column. The ORM's bulk
+# insert compiles a statement of rows x columns placeholders for every batch instead.
+_INSERTED_FIELDS = [field for field in StoredBlock._meta.concrete_fields if not field.primary_key]
+
+
+@functools.cache
+def _insert_stored_blocks_sql() -> str:
+    columns = ", ".join(field.column for field in _INSERTED_FIELDS)
+    arrays = ", ".join(f"%s::{field.db_type(connection)}[]" for field in _INSERTED_FIELDS)
+    return (
+        f"INSERT INTO {StoredBlock._meta.db_table} ({columns}) "  # noqa: S608
+        f"SELECT * FROM unnest({arrays}) RETURNING id"
+    )
+
+
+def _insert_stored_blocks(rows: list[StoredBlock]) -> list[int]:
+    """Insert ``rows`` (new StoredBlocks) in one statement; their ids."""
+    if connection.vendor != "postgresql":
+        return [row.pk for row in StoredBlock.objects.bulk_create(rows)]
+    columns = [[getattr(row, field.attname) for row in rows] for field in _INSERTED_FIELDS]
+    with connection.cursor() as cursor:
+        cursor.execute(_insert_stored_blocks_sql(), columns)
+        return [row[0] for row in cursor.fetchall()]
 
 
 @dataclass

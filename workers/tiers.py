@@ -7,9 +7,10 @@ Container (4.3) exactly as it is sent:
 - host tier: a file in shared memory (``KVSP_SHM_DIR/<instance>/``, tmpfs under ``/dev/shm``);
 - disk tier: a file under ``KVSP_DISK_DIR/<instance>/``.
 
-The node's HTTP process serves both with ``sendfile`` and never holds a container in Python.
-The device tier lives in the worker process, which owns tensors: it keeps working copies of the
-leading layers of some blocks as torch tensors (CUDA when present, else the CPU), for an engine.
+The node's HTTP process serves both from the file, a piece at a time. The device tier lives in
+the worker process, which owns tensors: it keeps working copies of the leading layers of some
+blocks as torch tensors (CUDA when present, else the CPU), for an engine: one copy of those
+layers' octets each, in one transfer, and a layer's K and V as views into it.
 A Replica Record reports each layer in the fastest tier that holds it — "device" for the layers
 with a working copy, the serving tier for the rest — and gives every entry the
 ``read_mbit_per_s`` of the serving tier, since that is where a peer's GET reads them from.
@@ -40,7 +41,12 @@ from django.conf import settings
 from kvsp.container import Container, decode
 from kvsp.problems import ProtocolError
 from kvsp.records import DEFAULT_LIMITS
-from kvsp.tensors import check_geometry, tensor_from_section
+from kvsp.tensors import (
+    check_geometry,
+    octets_to_device,
+    tensor_from_octets,
+    tensor_from_section,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -245,8 +251,32 @@ class Geometry:
 
 @dataclass
 class _DeviceEntry:
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
-    octets: int
+    """A block's working copy: the sections of its leading layers as they lie in its container,
+    one copy of their octets on the device (``octets``, a flat uint8 tensor), and where each
+    layer's K and V start in it and how long they are. A layer's tensors are views into it,
+    made when an engine asks for them."""
+
+    octets: torch.Tensor | None
+    sections: list[tuple[int, int, int, int]]
+    geometry: Geometry | None
+    size: int
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.sections)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_start, k_length, v_start, v_length = self.sections[layer]
+        geometry = self.geometry
+        return tuple(
+            tensor_from_octets(
+                self.octets[start : start + length],
+                geometry.kv_dtype,
+                geometry.kv_heads,
+                geometry.head_dim,
+            )
+            for start, length in ((k_start, k_length), (v_start, v_length))
+        )
 
 
 @dataclass(frozen=True)
@@ -281,69 +311,57 @@ class DeviceTier:
     @property
     def used(self) -> int:
         with self._lock:
-            return sum(entry.octets for entry in self._entries.values())
+            return sum(entry.size for entry in self._entries.values())
 
     def held(self) -> dict[BlockIds, int]:
         """Blocks with a working copy, and how many leading layers it has."""
         with self._lock:
-            return {ids: len(entry.layers) for ids, entry in self._entries.items()}
+            return {ids: entry.layer_count for ids, entry in self._entries.items()}
 
     def prepare(self, container: Container, geometry: Geometry) -> _DeviceEntry:
-        """Working copies of as many leading layers of ``container`` as the tier can hold at
-        all; made before the block is admitted, so that the copying holds up nobody."""
+        """A working copy of as many leading layers of ``container`` as the tier can hold at
+        all, made before the block is admitted, so that the copying holds up nobody: their
+        octets lie together in the container (layers ascending, K before V), so they go to the
+        device in one copy whatever their number."""
         sizes = [sum(container.section_lengths(layer)) for layer in range(container.layer_count)]
-        count, octets = 0, 0
-        while count < len(sizes) and octets + sizes[count] <= self.capacity:
-            octets += sizes[count]
+        count, size = 0, 0
+        while count < len(sizes) and size + sizes[count] <= self.capacity:
+            size += sizes[count]
             count += 1
-        device = self.device if count else None
-        layers = []
+        if not count:
+            return _DeviceEntry(None, [], None, 0)
+        start, end = container.data_range(container.first_layer, container.first_layer + count - 1)
+        octets = octets_to_device(container.buffer[start:end], self.device)
+        sections, offset = [], 0
         for layer in range(count):
-            k, v = container.layer(layer)
-            layers.append(
-                tuple(
-                    self._tensor(section, geometry, device, container.token_count)
-                    for section in (k, v)
-                )
-            )
-        return _DeviceEntry(layers, octets)
+            k_length, v_length = container.section_lengths(container.first_layer + layer)
+            sections.append((offset, k_length, offset + k_length, v_length))
+            offset += k_length + v_length
+        return _DeviceEntry(octets, sections, geometry, size)
 
     def install(self, ids: BlockIds, prepared: _DeviceEntry) -> DeviceAdmission:
         """Hold prepared copies, dropping the least recently used copies of other blocks to
         make room."""
-        if not prepared.layers:
+        if not prepared.layer_count:
             return DeviceAdmission(0, 0, ())
         dropped = []
         with self._lock:
             self._entries.pop(ids, None)
-            free = self.capacity - sum(entry.octets for entry in self._entries.values())
-            while free < prepared.octets and self._entries:
+            free = self.capacity - sum(entry.size for entry in self._entries.values())
+            while free < prepared.size and self._entries:
                 victim, entry = self._entries.popitem(last=False)
-                free += entry.octets
+                free += entry.size
                 dropped.append(victim)
             self._entries[ids] = prepared
-        return DeviceAdmission(len(prepared.layers), prepared.octets, tuple(dropped))
-
-    @staticmethod
-    def _tensor(section, geometry: Geometry, device, tokens: int):
-        tensor = tensor_from_section(
-            section,
-            geometry.kv_dtype,
-            geometry.kv_heads,
-            geometry.head_dim,
-            device,
-            token_count=tokens,
-        )
-        # On the CPU the tensor would share the received buffer; the working copy owns its own.
-        return tensor.clone() if device.type == "cpu" else tensor
+        return DeviceAdmission(prepared.layer_count, prepared.size, tuple(dropped))
 
     def layer(self, ids: BlockIds, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         with self._lock:
             entry = self._entries.get(ids)
-            if entry is None or layer >= len(entry.layers):
+            if entry is None or layer >= entry.layer_count:
                 return None
             self._entries.move_to_end(ids)
-            return entry.layers[layer]
+        return entry.layer(layer)
 
     def drop(self, ids: BlockIds) -> bool:
         with self._lock:

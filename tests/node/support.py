@@ -103,8 +103,10 @@ class StandinHolder:
     makes the holder a link of that rate: the bodies of all GETs together leave no faster.
     ``received`` lists (method, path, Authorization field) of every request, in order: what a
     client hands whatever it takes for a holder; ``connections`` counts the connections they
-    came over. ``drop_idle`` closes each connection after one answer without saying so, as a
-    holder does that times out idle connections just as a client reuses one.
+    came over. It speaks only the spec: a POST of a batch of blocks (this project's extension)
+    is answered 404, and counted in ``batches``. ``drop_idle`` closes each connection after one
+    answer without saying so, as a holder does that times out idle connections just as a client
+    reuses one.
     """
 
     def __init__(self):
@@ -119,6 +121,7 @@ class StandinHolder:
         self.gets: list[str] = []
         self.received: list[tuple[str, str, str | None]] = []
         self.connections = 0
+        self.batches = 0
         self.drop_idle = False
         holder = self
 
@@ -162,6 +165,11 @@ class StandinHolder:
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 request = json.loads(self.rfile.read(length))
+                if self.path.rstrip("/").rsplit("/", 1)[-1] != "leases":
+                    # Blocks in batches are this project's extension: a holder that speaks
+                    # only the spec has no such resource.
+                    holder.batches += 1
+                    return self._json(404, {"type": "kvsp-not-found", "status": 404})
                 missing = [k for k in request["block_keys"] if k not in holder.blocks]
                 if missing:
                     return self._json(404, {"type": "kvsp-not-found", "status": 404})

@@ -23,7 +23,7 @@ from tests.node.support import (
     random_key,
     sha256,
 )
-from tests.node.test_resharding import block_gets
+from tests.node.test_resharding import block_gets, blocks_sent
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -420,3 +420,147 @@ def test_a_revoked_token_stops_reading_and_leasing_blocks(cluster, role_env):
             timeout=30,
         )
         assert problem(refused) == "kvsp-unauthenticated"
+
+
+# --- Blocks in batches (README "Blocks in batches") -------------------------------------------
+
+
+def batch_parts(response) -> list[tuple[dict, bytes]]:
+    """The parts of a multipart/mixed answer: (header fields, body) each, read by the rules of
+    RFC 2046 (a delimiter line, fields, a blank line, the body, a CRLF before the next)."""
+    media_type, _, parameters = response.headers["content-type"].partition(";")
+    assert media_type == "multipart/mixed"
+    boundary = parameters.strip().removeprefix("boundary=").encode()
+    body = response.content
+    assert body.endswith(b"--" + boundary + b"--\r\n")
+    assert int(response.headers["content-length"]) == len(body)
+    parts = []
+    for chunk in body.split(b"--" + boundary + b"\r\n")[1:]:
+        head, _, rest = chunk.partition(b"\r\n\r\n")
+        fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n"))
+        length = int(fields["Content-Length"])
+        assert rest[length : length + 2] == b"\r\n"
+        parts.append((fields, rest[:length]))
+    return parts
+
+
+def test_a_batch_answers_every_block_as_its_own_get_would_in_the_order_asked(cluster):
+    n1 = cluster.node("n1")
+    reader = n1.api(cluster.tokens["reader_a"])
+    stored = {random_key(): container(seed) for seed in range(900, 904)}
+    for key, data in stored.items():
+        assert reader.put_block(cluster.compat, cluster.scope_a, key, data).status_code == 201
+    missing = random_key()
+    asked = [*list(stored)[:2], missing, *list(stored)[2:]]
+    sent_before = blocks_sent(n1)
+    answer = reader.post(f"blocks/{cluster.compat}/{cluster.scope_a}", json={"block_keys": asked})
+    assert answer.status_code == 200, answer.text
+    parts = batch_parts(answer)
+    assert [fields["Content-Location"] for fields, _ in parts] == [
+        f"blocks/{cluster.compat}/{cluster.scope_a}/{key}" for key in asked
+    ]
+    for key, (fields, body) in zip(asked, parts, strict=True):
+        alone = reader.get_block(cluster.compat, cluster.scope_a, key)
+        if key == missing:
+            assert fields["Content-Type"] == "application/problem+json"
+            assert json.loads(body) == alone.json()
+            assert alone.status_code == 404
+            continue
+        assert fields["Content-Type"] == BLOCK
+        assert body == alone.content == stored[key]
+        assert fields["Repr-Digest"] == alone.headers["repr-digest"]
+        verify_repr_digest(fields["Repr-Digest"], body)
+    # Each block sent is counted once, as the batch's.
+    assert blocks_sent(n1)["batch"] - sent_before["batch"] == len(stored)
+
+    # Another scope's principal reads the same batch as all misses: nothing tells it apart.
+    stranger = n1.api(cluster.tokens["reader_b"]).post(
+        f"blocks/{cluster.compat}/{cluster.scope_a}", json={"block_keys": asked}
+    )
+    assert stranger.status_code == 200
+    stranger_parts = batch_parts(stranger)
+    assert [fields["Content-Type"] for fields, _ in stranger_parts] == [
+        "application/problem+json"
+    ] * len(asked)
+    assert {body for _, body in stranger_parts} == {parts[2][1]}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "name"),
+    [
+        ({"block_keys": []}, 422, "kvsp-invalid-record"),
+        ({"block_keys": ["AB" * 32]}, 422, "kvsp-invalid-record"),
+        ({"block_keys": ["ab" * 32, "ab" * 32]}, 422, "kvsp-invalid-record"),
+        ({"keys": ["ab" * 32]}, 422, "kvsp-invalid-record"),
+        ([], 422, "kvsp-invalid-record"),
+        ({"block_keys": ["ab" * 32] * 257}, 413, "kvsp-payload-too-large"),
+    ],
+)
+def test_a_malformed_batch_is_refused_as_a_whole(cluster, body, status, name):
+    n1 = cluster.node("n1")
+    answer = n1.api(cluster.tokens["reader_a"]).post(
+        f"blocks/{cluster.compat}/{cluster.scope_a}", json=body
+    )
+    assert answer.status_code == status, answer.text
+    assert problem(answer) == name
+
+
+def test_a_batch_needs_a_valid_token(cluster):
+    n1 = cluster.node("n1")
+    path = f"blocks/{cluster.compat}/{cluster.scope_a}"
+    for token in (None, "kvsp_not-a-token"):
+        answer = n1.api(token).post(path, json={"block_keys": [random_key()]})
+        assert answer.status_code == 401 and problem(answer) == "kvsp-unauthenticated"
+
+
+def test_the_batch_client_verifies_every_part_and_refuses_only_the_bad_one(cluster):
+    from kvsp.records import ReplicaRecord
+    from workers import fetch
+
+    n1 = cluster.node("n1")
+    reader = n1.api(cluster.tokens["reader_a"])
+    records = []
+    for seed in range(910, 914):
+        key = random_key()
+        answer = reader.put_block(cluster.compat, cluster.scope_a, key, container(seed))
+        records.append(ReplicaRecord.from_json(answer.json()))
+    # The holder's copy of the second block is damaged after it was stored: it sends the
+    # damaged octets under the Repr-Digest of the original.
+    [path] = [p for p in n1.host_files() if records[1].block_key in p.name]
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0xFF
+    path.write_bytes(damaged)
+    missing = ReplicaRecord.from_json({**records[0].to_json(), "block_key": random_key()})
+    asked = [*records, missing]
+    with fetch.BlockConnections() as connections:
+        outcomes = list(
+            fetch.fetch_blocks(
+                connections,
+                n1.url,
+                asked,
+                max_size=1 << 20,
+                token=cluster.tokens["reader_a"],
+            )
+        )
+        assert [record for record, _ in outcomes] == asked
+        kinds = [type(outcome).__name__ for _, outcome in outcomes]
+        assert kinds == [
+            "FetchedBlock",
+            "ProtocolError",
+            "FetchedBlock",
+            "FetchedBlock",
+            "SourceMiss",
+        ]
+        assert outcomes[1][1].problem == "kvsp-digest-mismatch"
+        for record, outcome in (outcomes[0], outcomes[2], outcomes[3]):
+            assert [d.hex() for d in outcome.layer_digests] == list(record.layer_digests)
+        # The connection survives the refusals and serves the next batch.
+        again = list(
+            fetch.fetch_blocks(
+                connections, n1.url, records[2:], max_size=1 << 20, token=cluster.tokens["reader_a"]
+            )
+        )
+        assert all(isinstance(outcome, fetch.FetchedBlock) for _, outcome in again)
+        with pytest.raises(fetch.BatchRefused) as refused:
+            list(fetch.fetch_blocks(connections, n1.url, records, max_size=1 << 20, token="x"))
+        assert not refused.value.unsupported

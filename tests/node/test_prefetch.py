@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.node.support import container, problem, random_key, sha256
+from tests.node.test_resharding import blocks_sent
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -224,6 +225,59 @@ def test_a_failed_block_stops_the_prefix_where_it_is(cluster):
     assert state["state"] == "failed"
     assert state["loaded"][0] == chain[0][0]
     assert blocks[1][0] in state["reason"]
+
+
+def test_the_blocks_a_source_holds_come_in_batches(cluster):
+    n1, n2 = cluster.node("n1"), cluster.node("n2")
+    chain = put_chain(cluster, n1, 6, 570)
+    keys = [key for key, _ in chain]
+    before = blocks_sent(n1)
+    state = run_directive(cluster, n2, directive_body(cluster, [(key, [n1.url]) for key in keys]))
+    assert state["state"] == "complete" and state["loaded"] == keys
+    after = blocks_sent(n1)
+    assert (after["batch"] - before["batch"], after["get"] - before["get"]) == (6, 0)
+    reader = n2.api(cluster.tokens["reader_a"])
+    for key, data in chain:
+        assert reader.get_block(cluster.compat, cluster.scope_a, key).content == data
+        assert holders_of(cluster, key) == {n1.url, n2.url}
+
+
+def test_a_block_refused_in_a_batch_comes_from_the_next_source_the_rest_from_the_batch(
+    cluster, standin
+):
+    n1, n2 = cluster.node("n1"), cluster.node("n2")
+    chain = put_chain(cluster, n1, 4, 580)
+    keys = [key for key, _ in chain]
+    damaged_key, data = chain[1]
+    [path] = [p for p in n1.host_files() if damaged_key in p.name]
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0xFF
+    path.write_bytes(damaged)
+    standin.add(damaged_key, data)
+    gets_before = len(standin.holder.gets)
+
+    blocks = [(key, [n1.url, standin.holder.url]) for key in keys]
+    state = run_directive(cluster, n2, directive_body(cluster, blocks))
+    assert state["state"] == "complete" and state["loaded"] == keys
+    assert standin.holder.gets[gets_before:] == [damaged_key]
+    reader = n2.api(cluster.tokens["reader_a"])
+    for key, original in chain:
+        assert reader.get_block(cluster.compat, cluster.scope_a, key).content == original
+
+
+def test_a_holder_that_speaks_only_the_spec_is_asked_block_by_block(cluster, standin):
+    n1 = cluster.node("n1")
+    keys = [random_key() for _ in range(5)]
+    for seed, key in enumerate(keys, start=590):
+        standin.add(key, container(seed))
+    batches_before, gets_before = standin.holder.batches, len(standin.holder.gets)
+    body = directive_body(cluster, [(key, [standin.holder.url]) for key in keys])
+    state = run_directive(cluster, n1, body)
+    assert state["state"] == "complete" and state["loaded"] == keys
+    # Asked for a batch (once per fetcher at most, before the first refusal is known), then for
+    # each block with a GET of its own.
+    assert 1 <= standin.holder.batches - batches_before <= 4
+    assert sorted(standin.holder.gets[gets_before:]) == sorted(keys)
 
 
 def test_the_deadline_makes_a_directive_partial(cluster, standin):

@@ -9,6 +9,11 @@ urlpatterns = [
         views.BlockView.as_view(),
         name="block",
     ),
+    path(
+        "blocks/<hex32:compat_id>/<hex16:scope_id>",
+        views.BlockBatchView.as_view(),
+        name="block-batch",
+    ),
     path("leases", views.LeaseListView.as_view(), name="leases"),
     path("leases/<str:lease>", views.LeaseView.as_view(), name="lease"),
     path("prefetch", views.PrefetchView.as_view(), name="prefetch"),

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from django.conf import settings
+from django.http import StreamingHttpResponse
 from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -23,8 +24,7 @@ from rest_framework.views import APIView
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from kvsp.records import (
-    UINT16_MAX,
-    UINT32_MAX,
+    BlockBatchRequest,
     LeaseRenewal,
     LeaseRequest,
     PrefetchDirective,
@@ -40,17 +40,13 @@ from kvspsite.api import (
     KvspJSONRenderer,
     PlainJSONRenderer,
     ReceivedContainer,
-    holder_principal,
-    problem_http_response_for,
 )
+from kvspsite.metrics import BLOCKS_SENT
 from workers import resharding, selectors, services, serving, sessions, tiers
 from workers.models import Directive
 
 # Accept fields of a block GET that only the container answers.
-_BLOCK_ACCEPT = (None, "*/*", KVSP_BLOCK)
-# The requests BlockView answers on its lean path, and the Allow field DRF gives its answers.
-_LEAN_METHODS = ("GET", "HEAD")
-_BLOCK_ALLOW = "GET, PUT, HEAD, OPTIONS"
+BLOCK_ACCEPT = (None, "*/*", KVSP_BLOCK)
 
 
 def _node_url(request, path: str) -> str:
@@ -63,98 +59,21 @@ def _require_controller(principal) -> None:
         raise ProtocolError("kvsp-forbidden", "only the Placement Controller's principal may")
 
 
-def _layers(value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    first, dash, last = value.partition("-")
-    if not dash:
-        raise ProtocolError(
-            "kvsp-malformed-request", f"layers={value!r}: use layers=a-b (inclusive, a <= b)"
-        )
-    first = parse_decimal(first, f"layers={value!r}: a", maximum=UINT32_MAX)
-    last = parse_decimal(last, f"layers={value!r}: b", maximum=UINT32_MAX)
-    if first > last:
-        raise ProtocolError("kvsp-malformed-request", f"layers={value}: a must not exceed b")
-    return first, last
-
-
-def _codec(value: str | None) -> int | None:
-    if value is None:
-        return None
-    return parse_decimal(value, f"codec={value!r}: a codec", maximum=UINT16_MAX)
-
-
 def _object(data) -> dict:
     if not isinstance(data, dict):
         raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
     return data
 
 
-def _block_get(principal, params, compat_id: bytes, scope_id: bytes, block_key: bytes):
-    """The answer to a block GET or HEAD by ``principal``, on either path (``BlockView``)."""
-    layers = _layers(params.get("layers"))
-    codec = _codec(params.get("codec"))
-    block = selectors.read_block(principal, compat_id, scope_id, block_key)
-    if block is None:
-        raise ProtocolError("kvsp-not-found", selectors.MISS_DETAIL)
-    if codec is not None and codec != block.codec:
-        raise ProtocolError(
-            "kvsp-unsupported-codec",
-            f"this holder serves the block in codec {block.codec} only; it does not transcode",
-        )
-    if layers is not None and layers[1] >= block.layer_count:
-        raise ProtocolError(
-            "kvsp-layers-unavailable",
-            f"this holder holds layers 0-{block.layer_count - 1} of the block",
-        )
-    return serving.block_response(block, layers)
-
-
 class BlockView(APIView):
     """One block resource (6.7): GET a container or a layer range of it, PUT to store one."""
 
-    # The docstring above is the route's description in OPTIONS and OpenAPI; why GET has a
-    # path of its own is said at ``as_view``.
+    # The GETs and HEADs a loader sends (the container, thousands per directive) are answered by
+    # the node's server itself, beside this view (``workers.blockpath``); this view answers the
+    # rest, and documents the route in OPTIONS and OpenAPI.
 
     parser_classes = [KvspBlockParser]
     authentication_classes = [HolderAuthentication]
-
-    @classmethod
-    def as_view(cls, **initkwargs):
-        """DRF's view, but for the GETs and HEADs a loader sends (one per block, thousands per
-        directive) that ask for the container (no Accept, ``*/*`` or
-        ``application/kvsp-block``): ``lean_get`` answers them as a plain Django view, with the
-        same checks (``holder_principal``: a bearer or delegated token, the auth cache, the
-        failed-auth budget, the principal's rate), the same answers and the same headers,
-        without DRF's request wrapping, dispatch, negotiation and rendering, which cost more
-        CPU than the rest of the request. Everything else (PUT, OPTIONS, another Accept, a
-        method not allowed) goes through DRF as before, and OpenAPI documents the view as DRF
-        declares it."""
-        drf_view = super().as_view(**initkwargs)
-
-        def view(request, compat_id: bytes, scope_id: bytes, block_key: bytes):
-            if request.method in _LEAN_METHODS and request.META.get("HTTP_ACCEPT") in _BLOCK_ACCEPT:
-                return cls.lean_get(request, compat_id, scope_id, block_key)
-            return drf_view(request, compat_id=compat_id, scope_id=scope_id, block_key=block_key)
-
-        # What URL resolution, CSRF and drf-spectacular read of a view (cls, initkwargs,
-        # csrf_exempt) stays DRF's.
-        view.__dict__.update(drf_view.__dict__)
-        view.__doc__ = drf_view.__doc__
-        return view
-
-    @staticmethod
-    def lean_get(request, compat_id: bytes, scope_id: bytes, block_key: bytes):
-        """A block GET or HEAD answered as DRF would answer it, at a fraction of the CPU."""
-        try:
-            principal = holder_principal(request)
-            response = _block_get(principal, request.GET, compat_id, scope_id, block_key)
-        except Exception as exc:  # noqa: BLE001 - every error leaves as problem details
-            response = problem_http_response_for(exc, "BlockView")
-        # DRF adds these to every response of the view; a lean answer is not told apart.
-        response["Allow"] = _BLOCK_ALLOW
-        response["Vary"] = "Accept"
-        return response
 
     def get_renderers(self):
         if self.request is not None and self.request.method in ("GET", "HEAD"):
@@ -164,7 +83,7 @@ class BlockView(APIView):
     def perform_content_negotiation(self, request, force=False):
         # What a loader's GETs ask for (hundreds a second) is answered without the negotiation
         # machinery; anything else is negotiated as usual.
-        if request.method in ("GET", "HEAD") and request.META.get("HTTP_ACCEPT") in _BLOCK_ACCEPT:
+        if request.method in ("GET", "HEAD") and request.META.get("HTTP_ACCEPT") in BLOCK_ACCEPT:
             renderer = KvspBlockRenderer()
             return renderer, renderer.media_type
         return super().perform_content_negotiation(request, force)
@@ -174,7 +93,11 @@ class BlockView(APIView):
         return tiers.new_spool(selectors.node_name())
 
     def get(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
-        return _block_get(request.user, request.query_params, compat_id, scope_id, block_key)
+        ids = (bytes(compat_id), bytes(scope_id), bytes(block_key))
+        sent = serving.representation_for(request.user, request.query_params, ids)
+        if request.method == "GET":
+            BLOCKS_SENT.labels("get").inc()
+        return serving.block_response(sent)
 
     def put(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         if bytes(scope_id) not in request.user.scope_ids:
@@ -226,6 +149,33 @@ class BlockView(APIView):
             status=status.HTTP_201_CREATED,
             headers={"Location": _node_url(request, path)},
         )
+
+
+class BlockBatchView(APIView):
+    """POST blocks/{compat}/{scope}: several blocks of one compat and scope in one answer, a
+    ``multipart/mixed`` body of one part per block, each what a GET of the block would answer
+    (an extension of 6.7 for loaders; README "Blocks in batches")."""
+
+    authentication_classes = [HolderAuthentication]
+
+    def perform_content_negotiation(self, request, force=False):
+        # The answer is the multipart body whatever is asked for; an error, problem details.
+        renderer = KvspJSONRenderer()
+        return renderer, renderer.media_type
+
+    def post(self, request, compat_id: bytes, scope_id: bytes):
+        keys = request.data.get("block_keys") if isinstance(request.data, dict) else None
+        if isinstance(keys, list) and len(keys) > settings.KVSP_MAX_BATCH_BLOCKS:
+            raise ProtocolError(
+                "kvsp-payload-too-large",
+                f"at most {settings.KVSP_MAX_BATCH_BLOCKS} block_keys per batch",
+            )
+        asked = BlockBatchRequest.from_json(request.data)
+        keys = [bytes.fromhex(key) for key in asked.block_keys]
+        body = serving.batch_body(request.user, bytes(compat_id), bytes(scope_id), keys)
+        response = StreamingHttpResponse(body.pieces(), content_type=body.content_type)
+        response["Content-Length"] = str(body.length)
+        return response
 
 
 class LeaseListView(APIView):
