@@ -25,12 +25,13 @@ verifying its octets:
   in flight together and one block's verification (hashlib releases the GIL on large buffers)
   overlaps the others' transfers;
 - the calling thread admits what the fetchers have ready to the tier store as one batch, in one
-  transaction under one lock of the node, reports the batch (a directive's progress is one
-  UPDATE per batch, and a generation waiting for the blocks may use them from then on) and
-  publishes its records (``publish_all``); while it does, the fetchers go on, so the next batch
-  is whatever arrived meanwhile, and at least one block per fetcher still running when they
-  bring them within ``BATCH_WAIT_S``. (Publishing from a thread of its own, beside the next
-  admission, was slower: the two contend for the node's lock.)
+  transaction under one lock of the node, and reports the batch (a directive's progress is one
+  UPDATE per batch, and a generation waiting for the blocks may use them from then on); while
+  it does, the fetchers go on, so the next batch is whatever arrived meanwhile, and at least one
+  block per fetcher still running when they bring them within ``BATCH_WAIT_S``;
+- a thread of its own publishes the admitted blocks' records (``publish_all``), everything
+  admitted since its last publication in one go, so that no admission, and no generation
+  waiting for one, waits for the control plane.
 
 Loading stops at the deadline, at a block no source can serve (keys are chained, 4.2: the blocks
 after it are of no use to a prefix) or, for a reshard move, when the move is decided meanwhile;
@@ -107,6 +108,46 @@ class _Arrival:
 _DONE = object()  # a fetcher's last word on the queue
 
 
+class _Publisher(threading.Thread):
+    """Publishes the records of admitted blocks: what was submitted while it published the
+    last ones goes out together. A publication that fails is retried by the node's keeper
+    (the rows are admitted with a retry time)."""
+
+    def __init__(self, name: str):
+        super().__init__(name=name, daemon=True)
+        self._submitted: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, pks: list[int]) -> None:
+        self._submitted.put(pks)
+
+    def finish(self) -> None:
+        """Publish what is left, then stop."""
+        if self.is_alive():
+            self._submitted.put(None)
+            self.join()
+
+    def run(self) -> None:
+        try:
+            done = False
+            while not done:
+                first = self._submitted.get()
+                done = first is None
+                pks = list(first or ())
+                while not done and not self._submitted.empty():
+                    more = self._submitted.get()
+                    if more is None:
+                        done = True
+                    else:
+                        pks += more
+                if pks:
+                    try:
+                        services.publish_all(pks)
+                    except Exception:  # noqa: BLE001 - the keeper publishes them later
+                        log.exception("publishing %d admitted blocks failed", len(pks))
+        finally:
+            connections.close_all()
+
+
 class Loader:
     """One run of loading blocks into this node. ``check`` may refuse a verified block
     (raising ProtocolError) before it is kept; ``on_batch`` is told the keys of every batch
@@ -155,6 +196,7 @@ class Loader:
         self._running = 0  # fetchers that have not said _DONE yet
         self._connections: fetch.BlockConnections | None = None
         self._unbatched: set[str] = set()  # sources that answer no batch of blocks
+        self._publisher = _Publisher(f"{label}-publish")
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -196,6 +238,7 @@ class Loader:
             for thread in threads:
                 thread.start()
             self._running = count
+            self._publisher.start()
             try:
                 self._admit_arrivals()
             finally:
@@ -203,6 +246,7 @@ class Loader:
                 self._discard_arrivals()
                 for thread in threads + leasing:
                     thread.join()
+                self._publisher.finish()
                 for source, lease in self._leases.items():
                     if lease is not None:
                         self._release(client, source, lease)
@@ -297,7 +341,7 @@ class Loader:
             if self.on_batch is not None:
                 self.on_batch(keys)
             if self.pending_move_id is None:
-                services.publish_all(stored)
+                self._publisher.submit(stored)
         finally:
             for arrival in batch:
                 tiers.unlink_quietly(arrival.block.spool)

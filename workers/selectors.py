@@ -55,6 +55,10 @@ _HELD_BLOCK_WHERE = (
     "instance = %s AND compat_id = %s AND scope_id = %s AND block_key = %s "
     "AND pending_move_id IS NULL"
 )
+_HELD_BLOCKS_WHERE = (
+    "instance = %s AND compat_id = %s AND scope_id = %s AND block_key = ANY(%s) "
+    "AND pending_move_id IS NULL"
+)
 _HELD_BLOCK = f"SELECT {_COLUMNS} FROM {StoredBlock._meta.db_table} WHERE {_HELD_BLOCK_WHERE}"  # noqa: S608
 
 
@@ -83,6 +87,29 @@ _RESIDENCIES = (
     f"SELECT id, tier, device_layers FROM {StoredBlock._meta.db_table} "  # noqa: S608
     "WHERE id = ANY(%s)"
 )
+
+
+_HELD_SIZES = (
+    f"SELECT block_key, id, size FROM {StoredBlock._meta.db_table} "  # noqa: S608
+    f"WHERE {_HELD_BLOCKS_WHERE}"
+)
+
+
+def held_sizes(
+    name: str, compat_id: bytes, scope_id: bytes, keys: list[bytes]
+) -> dict[bytes, tuple[int, int]]:
+    """(row id, size) of each held block of ``keys``, by key."""
+    if connection.vendor != "postgresql":
+        rows = (
+            held_blocks(name)
+            .filter(compat_id=compat_id, scope_id=scope_id, block_key__in=keys)
+            .values_list("block_key", "id", "size")
+        )
+    else:
+        with connection.cursor() as cursor:
+            cursor.execute(_HELD_SIZES, [name, compat_id, scope_id, list(keys)])
+            rows = cursor.fetchall()
+    return {bytes(key): (pk, size) for key, pk, size in rows}
 
 
 def held_blocks_by_id(pks: list[int]) -> list[StoredBlock]:
@@ -165,10 +192,6 @@ def read_block(principal, compat_id: bytes, scope_id: bytes, block_key: bytes):
     return None if row is None else StoredBlock.from_db(connection.alias, _FIELDS, row[:-1])
 
 
-_HELD_BLOCKS_WHERE = (
-    "instance = %s AND compat_id = %s AND scope_id = %s AND block_key = ANY(%s) "
-    "AND pending_move_id IS NULL"
-)
 _READ_AND_TOUCH_HELD_BLOCKS = (
     f"WITH touched AS (UPDATE {StoredBlock._meta.db_table} SET last_access = %s "  # noqa: S608
     f"WHERE {_HELD_BLOCKS_WHERE} AND last_access < %s) "

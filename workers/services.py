@@ -958,16 +958,12 @@ def do_create_lease(principal, request: LeaseRequest) -> LeaseGrant:
     with transaction.atomic():
         lock_node(name)
         now = timezone.now()
-        blocks = {
-            bytes(block.block_key): block
-            for block in selectors.held_blocks(name).filter(
-                compat_id=compat_id, scope_id=scope_id, block_key__in=keys
-            )
-        }
+        # Of each block, its row's id and size: all a lease needs of it.
+        sizes = selectors.held_sizes(name, compat_id, scope_id, keys)
         for key in keys:
-            if key not in blocks:
+            if key not in sizes:
                 raise ProtocolError("kvsp-not-found", f"{selectors.MISS_DETAIL} {key.hex()}")
-        octets = sum(block.size for block in blocks.values())
+        octets = sum(size for _, size in sizes.values())
         held = selectors.leased_octets(name, principal.id, now)
         if held + octets > settings.KVSP_LEASE_MAX_OCTETS:
             raise _quota(
@@ -986,8 +982,26 @@ def do_create_lease(principal, request: LeaseRequest) -> LeaseGrant:
             expires_at=now + timedelta(milliseconds=request.ttl_ms),
             created_at=now,
         )
-        lease.blocks.set(blocks.values())
+        _link_leased(lease, [pk for pk, _ in sizes.values()])
     return _grant(lease)
+
+
+def _link_leased(lease: Lease, block_pks: list[int]) -> None:
+    """The lease's rows of its blocks (``Lease.blocks``), one statement of fixed text on
+    Postgres whatever their number."""
+    if connection.vendor != "postgresql":
+        lease.blocks.set(block_pks)
+        return
+    through = Lease.blocks.through
+    table = through._meta.db_table
+    lease_column = through._meta.get_field("lease").column
+    block_column = through._meta.get_field("storedblock").column
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({lease_column}, {block_column}) "  # noqa: S608
+            "SELECT %s, unnest(%s::bigint[])",
+            [lease.pk, block_pks],
+        )
 
 
 def _owned_lease(principal, lease_id: str, now: datetime) -> Lease:
