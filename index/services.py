@@ -293,6 +293,10 @@ class BatchOutcome:
 
 
 def _echoed(item: object, member: str) -> str | None:
+    """The ``member`` of an item as it was sent (a JSON object, or a record decoded with its
+    batch), for the outcome that refuses it."""
+    if isinstance(item, ReplicaRecord):
+        return getattr(item, member)
     value = item.get(member) if isinstance(item, dict) else None
     return value if isinstance(value, str) else None
 
@@ -323,6 +327,8 @@ def _judge_all(principal, items: list, decode, authorize) -> list:
 
 
 def _decode_record(item: object) -> ReplicaRecord:
+    if isinstance(item, ReplicaRecord):
+        return item  # decoded with its batch (ReplicaRecord.batch_from_body)
     if not isinstance(item, dict):
         raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
     return ReplicaRecord.from_json(item)

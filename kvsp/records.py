@@ -771,6 +771,13 @@ class ResidencyEntry(msgspec.Struct, frozen=True, omit_defaults=True):
         return out
 
 
+@functools.cache
+def _batch_body_type(member: str) -> type:
+    return msgspec.defstruct(
+        "ReplicaBatchBody", [("records", list[ReplicaRecord])], rename={"records": member}
+    )
+
+
 class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     """A replica of one block at one holder (4.4, 6.1).
 
@@ -873,6 +880,24 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     @classmethod
     def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
         return _decode(cls, obj, limits, bounded=("layer_digests", "residency"))
+
+    @classmethod
+    def batch_from_body(
+        cls, body: bytes, member: str, limits: Limits = DEFAULT_LIMITS
+    ) -> list[ReplicaRecord] | None:
+        """The records of a JSON body ``{member: [record, ...]}`` decoded from its octets in
+        one pass, when every one of them is valid; None when the body is anything else, so
+        that the caller judges its items one by one (``from_json``) and says what is wrong
+        with each."""
+        try:
+            records = msgspec.json.decode(body, type=_batch_body_type(member)).records
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError):
+            return None
+        bound = limits.max_layers
+        for record in records:
+            if len(record.residency) > bound or len(record.layer_digests or ()) > bound:
+                return None
+        return records
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
