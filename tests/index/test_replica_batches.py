@@ -94,6 +94,8 @@ def test_another_scopes_record_is_told_what_a_missing_scope_is(scope, other_scop
     theirs = replica_json(other_scope.scope_id_hex, COMPAT, random_key())
     nobodys = replica_json(random_key()[:32], COMPAT, random_key())
     first, second = publish(holder_a, [theirs, nobodys])
+    # Valid records, decoded with their batch: each outcome still names its record.
+    assert (first["block_key"], first["holder"]) == (theirs["block_key"], theirs["holder"])
     assert first["status"] == second["status"] == 403
     assert first["problem"] == second["problem"]
     assert other_scope.scope_id_hex not in str(first["problem"])
