@@ -243,13 +243,20 @@ class BatchBody:
         return f"{BATCH_MEDIA_TYPE}; boundary={self.boundary}"
 
     def pieces(self):
-        """The body, about ``_BATCH_PIECE`` octets at a time; closes every file."""
+        """The body, in pieces of about ``_BATCH_PIECE`` octets at least: small parts are
+        gathered, a large block's pieces go as they are read; closes every file."""
         pending = bytearray()
         try:
             for head, sent in self.parts:
                 pending += head
                 if sent is not None:
                     for piece in sent.pieces():
+                        if len(piece) >= _BATCH_PIECE:
+                            if pending:
+                                yield bytes(pending)
+                                pending.clear()
+                            yield piece
+                            continue
                         pending += piece
                         if len(pending) >= _BATCH_PIECE:
                             yield bytes(pending)
