@@ -247,9 +247,7 @@ def run(repeats, data, record, node_url, path, token, nginx_url) -> None:
     mark = "  (target >= 0.7)" if ratio >= TARGET else f"  BELOW TARGET {TARGET}"
     line("node GET + Repr-Digest + layer + replica digests", best["verified"], mib, ratio, mark)
     line("nginx GET alone", best["nginx"], mib, best["limit"] / best["nginx"])
-    line(
-        "node GET alone (sendfile), not verified", best["plain"], mib, best["limit"] / best["plain"]
-    )
+    line("node GET alone, not verified", best["plain"], mib, best["limit"] / best["plain"])
     line(f"node GET layers=8-15 ({slice_mib:.0f} MiB) + verified", best["slice"], slice_mib)
     if ratio < TARGET:
         print(f"missed: verified node GET at {ratio:.2f} of the limit")
