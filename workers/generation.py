@@ -1,10 +1,12 @@
 """Serving a session on the instance's worker (spec 6.8), once ``workers.sessions`` admitted it.
 
-The prompt. Its Block Keys (4.2) are computed with the scope key. A generation whose request
+The prompt. Its Block Keys (4.2) are computed with the scope key. The longest prefix of the
+prompt's blocks the tier store holds is imported layer by layer from it (device-tier copies
+where there are some, mapped serving copies otherwise) while the forward pass over the rest of
+the prompt runs layer l as soon as layer l has arrived (4.3). A generation whose request
 carries the request_ref of a placement waits for that placement's prefetch directive (6.5) to
-end; then the longest prefix of the prompt's blocks the tier store holds is imported layer by
-layer from it (device-tier copies where there are some, mapped serving copies otherwise) while
-the forward pass over the rest of the prompt runs layer l as soon as layer l has arrived (4.3).
+arrive, and imports the blocks it loads as each batch is admitted: the forward pass starts as
+the last one lands, and a directive that ends short leaves the prefix it loaded.
 The last prompt token is always run, for the logits of the first output token. The blocks the
 instance computed itself are exported from the engine's cache and stored in its own tier store
 at once (a local write); they are published like any block the node holds (6.1) and copied to
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import logging
 import queue
 import threading
@@ -62,7 +65,7 @@ from workers import control, fetch, notices, services
 from workers import prefetch as prefetching
 from workers import sessions as served
 from workers.models import Directive, DirectiveState, ServedSession, SessionKind, StoredBlock
-from workers.tiers import Geometry
+from workers.tiers import Geometry, HeldLayers
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,74 @@ def run_after_blocks(engine, tier_store, blocks: list[StoredBlock], block_tokens
     return layerwise.sequence
 
 
+class PrefixNotLoaded(Exception):
+    """A block that an import waited for was not admitted: its directive ended or passed its
+    deadline without it."""
+
+
+def import_as_admitted(
+    engine, runtime, compat_id: bytes, scope_id: bytes, keys: list[bytes], directive, tokens, rest
+):
+    """Like ``run_after_blocks``, for the blocks of ``keys`` while a prefetch directive of this
+    process is still loading some of them: each block is handed to the import as soon as it is
+    admitted, every layer of it, so that joining the layers overlaps the loading and the
+    forward pass over ``rest`` starts as the last block arrives. PrefixNotLoaded (from the
+    forward pass) when the directive ended, or passed its deadline, without one of them."""
+    layerwise = engine.begin_import(len(keys), tokens=tokens, timeout=IMPORT_TIMEOUT_S)
+    geometry = Geometry.from_descriptor(engine.descriptor)
+    position = {key: index for index, key in enumerate(keys)}
+    limit = directive.deadline_at + timedelta(seconds=DIRECTIVE_SLACK_S)
+
+    def admitted(pending) -> list[StoredBlock]:
+        return list(
+            StoredBlock.objects.filter(
+                instance=runtime.name,
+                compat_id=compat_id,
+                scope_id=scope_id,
+                block_key__in=pending,
+                pending_move__isnull=True,
+            )
+        )
+
+    def ended() -> bool:
+        directive.refresh_from_db(fields=["state"])
+        return directive.state != DirectiveState.PENDING
+
+    def feed() -> None:
+        pending = set(keys)
+        try:
+            with HeldLayers(runtime.tier_store, geometry) as held:
+                while pending:
+                    left_s = max((limit - timezone.now()).total_seconds(), 0)
+                    found = notices.wait_until(lambda: admitted(pending) or ended(), left_s)
+                    # Admitted meanwhile: the blocks of a directive's last batch are admitted
+                    # before it ends.
+                    rows = found if isinstance(found, list) else admitted(pending)
+                    if not rows:
+                        missing = min(pending, key=position.__getitem__)
+                        raise PrefixNotLoaded(f"block {missing.hex()} was not loaded")
+                    for row in rows:
+                        index = position[bytes(row.block_key)]
+                        for layer in range(geometry.layers):
+                            layerwise.add_layer(index, layer, *held.layer(row, layer))
+                        pending.discard(bytes(row.block_key))
+        except BaseException as error:
+            layerwise.fail(error)
+        finally:
+            connections.close_all()
+
+    feeder = threading.Thread(target=feed, name="kvsp-import", daemon=True)
+    feeder.start()
+    try:
+        engine.extend(layerwise.sequence, rest)
+    except BaseException as error:
+        layerwise.fail(error)
+        raise
+    finally:
+        feeder.join()
+    return layerwise.sequence
+
+
 @dataclass
 class ServedPrompt:
     sequence: object
@@ -153,14 +224,48 @@ class ServedPrompt:
     held: set[bytes]
 
 
-def serve_prompt(runtime, engine, compat_id: bytes, scope_id: bytes, keys, tokens, *, recompute):
+def serve_prompt(
+    runtime, engine, compat_id: bytes, scope_id: bytes, keys, tokens, *, recompute, directive=None
+):
     """The prompt's cache and the logits of its last token: its leading held blocks imported,
     the rest run (everything with ``recompute``). A held block that cannot be read (evicted or
-    moved meanwhile) makes it recompute everything instead."""
+    moved meanwhile) makes it recompute everything instead.
+
+    ``directive``: the prefetch directive of the request's placement, in this process. While it
+    is pending, the leading blocks that are held or that it lists are imported as it admits
+    them; should it end without one of them, the prompt is served from what is held then.
+    """
     block_tokens = engine.block_tokens
     held = held_prefix(runtime.name, compat_id, scope_id, keys)
     held_keys = {bytes(block.block_key) for block in held}
-    usable = [] if recompute else held[: (len(tokens) - 1) // block_tokens]
+    last = (len(tokens) - 1) // block_tokens
+    if directive is not None and not recompute and directive.state == DirectiveState.PENDING:
+        coming = held_keys | {bytes.fromhex(b["block_key"]) for b in directive.body["blocks"]}
+        wanted = list(itertools.takewhile(coming.__contains__, keys[:last]))
+        if len(wanted) > len(held[:last]):
+            covered = len(wanted) * block_tokens
+            try:
+                sequence = import_as_admitted(
+                    engine,
+                    runtime,
+                    compat_id,
+                    scope_id,
+                    wanted,
+                    directive,
+                    tokens[:covered],
+                    tokens[covered:],
+                )
+            except PrefixNotLoaded as error:
+                log.info("the prompt's prefix was not all loaded (%s): serving what is", error)
+            except (OSError, TimeoutError, ProtocolError) as error:
+                log.warning("the prompt's loaded blocks could not be imported (%s)", error)
+            else:
+                held = held_prefix(runtime.name, compat_id, scope_id, keys)
+                held_keys = {bytes(block.block_key) for block in held}
+                return ServedPrompt(sequence, len(wanted), len(tokens) - covered, held_keys)
+            wait_for_end(directive)
+            return serve_prompt(runtime, engine, compat_id, scope_id, keys, tokens, recompute=False)
+    usable = [] if recompute else held[:last]
     if usable:
         covered = len(usable) * block_tokens
         try:
@@ -173,16 +278,17 @@ def serve_prompt(runtime, engine, compat_id: bytes, scope_id: bytes, keys, token
     return ServedPrompt(engine.prefill(tokens), 0, len(tokens), held_keys)
 
 
-def wait_for_directive(name: str, request_ref: str) -> Directive | None:
-    """The prefetch directive of ``request_ref`` once it has ended (or passed its deadline) or
-    has every block in this instance's tiers (the last records may still be on their way to
-    the IS), waiting for it to arrive for DIRECTIVE_ARRIVAL_S; None when none came. This
-    process loads directives, and notifies when one starts, admits a batch and ends
-    (``workers.notices``)."""
+def directive_of(name: str, request_ref: str) -> Directive | None:
+    """The prefetch directive of ``request_ref``, waiting for it to arrive for
+    DIRECTIVE_ARRIVAL_S; None when none came. This process loads directives, and notifies
+    when one starts, admits a batch and ends (``workers.notices``)."""
     rows = Directive.objects.filter(instance=name, request_ref=request_ref).order_by("-received_at")
-    row = notices.wait_until(rows.first, DIRECTIVE_ARRIVAL_S)
-    if row is None:
-        return None
+    return notices.wait_until(rows.first, DIRECTIVE_ARRIVAL_S)
+
+
+def wait_for_end(row: Directive) -> Directive:
+    """``row`` once it has ended (or passed its deadline) or has every block in this
+    instance's tiers (the last records may still be on their way to the IS)."""
     limit = row.deadline_at + timedelta(seconds=DIRECTIVE_SLACK_S)
     wanted = len(row.body.get("blocks", ()))
 
@@ -192,6 +298,13 @@ def wait_for_directive(name: str, request_ref: str) -> Directive | None:
 
     notices.wait_until(ended, max((limit - timezone.now()).total_seconds(), 0))
     return row
+
+
+def wait_for_directive(name: str, request_ref: str) -> Directive | None:
+    """The prefetch directive of ``request_ref`` once it has ended (``wait_for_end``), waiting
+    for it to arrive for DIRECTIVE_ARRIVAL_S; None when none came."""
+    row = directive_of(name, request_ref)
+    return wait_for_end(row) if row is not None else None
 
 
 def prompt_logits(runtime, scope_id: bytes, compat_id: bytes, tokens, *, recompute) -> dict:
@@ -326,11 +439,17 @@ class SessionRun:
         prompt = list(request.prompt)
         keys = blockkeys.block_keys(scope_key, self.compat_id, prompt, block_tokens)
         self.timer.lap("keys")
-        if request.request_ref:
-            wait_for_directive(self.name, request.request_ref)
+        directive = directive_of(self.name, request.request_ref) if request.request_ref else None
         self.timer.lap("directive")
         prompt_served = serve_prompt(
-            self.runtime, engine, self.compat_id, self.scope_id, keys, prompt, recompute=False
+            self.runtime,
+            engine,
+            self.compat_id,
+            self.scope_id,
+            keys,
+            prompt,
+            recompute=False,
+            directive=directive,
         )
         self.sequence = prompt_served.sequence
         self.loaded_blocks = prompt_served.loaded_blocks

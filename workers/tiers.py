@@ -417,16 +417,8 @@ class TierStore:
         for); otherwise tensors over the mapped serving copy, which share its memory on the CPU
         and must be treated as read-only.
         """
-        if self.device_tier is not None:
-            held = self.device_tier.layer(block.ids, layer)
-            if held is not None:
-                if device is None:
-                    return held
-                return held[0].to(device), held[1].to(device)
-        mapped = MappedContainer(stored_path(block), max_layers=block.layer_count)
-        pair = self._mapped_layer(mapped, block, layer, geometry, device)
-        mapped.close()
-        return pair
+        with HeldLayers(self, geometry, device) as held:
+            return held.layer(block, layer)
 
     @staticmethod
     def _mapped_layer(mapped: MappedContainer, block, layer: int, geometry: Geometry, device):
@@ -465,23 +457,45 @@ class TierStore:
         blocks first, then layer 1, and so on: the order in which a forward pass over the
         tokens after them needs them (4.3). Device-tier copies are used where they exist;
         each serving copy is mapped once."""
-        mapped: dict[int, MappedContainer] = {}
-        try:
+        with HeldLayers(self, geometry, device) as held:
             for layer in range(geometry.layers):
                 for index, block in enumerate(blocks):
-                    held = (
-                        self.device_tier.layer(block.ids, layer)
-                        if self.device_tier is not None
-                        else None
-                    )
-                    if held is not None:
-                        k, v = held if device is None else (held[0].to(device), held[1].to(device))
-                        yield layer, index, k, v
-                        continue
-                    if index not in mapped:
-                        mapped[index] = self._open_current(block)
-                    k, v = self._mapped_layer(mapped[index], block, layer, geometry, device)
+                    k, v = held.layer(block, layer)
                     yield layer, index, k, v
-        finally:
-            for container in mapped.values():
-                container.close()
+
+
+class HeldLayers:
+    """K and V of the layers of held blocks, for an import that takes them in any order: from
+    the device tier where it holds the layer, otherwise as views into the block's serving copy,
+    mapped once and kept mapped until ``close`` (the views stay valid after it)."""
+
+    def __init__(
+        self, store: TierStore, geometry: Geometry, device: str | torch.device | None = None
+    ):
+        self.store = store
+        self.geometry = geometry
+        self.device = device
+        self._mapped: dict[int, MappedContainer] = {}
+
+    def layer(self, block: StoredBlock, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device_tier = self.store.device_tier
+        held = device_tier.layer(block.ids, layer) if device_tier is not None else None
+        if held is not None:
+            if self.device is None:
+                return held
+            return held[0].to(self.device), held[1].to(self.device)
+        mapped = self._mapped.get(block.pk)
+        if mapped is None:
+            mapped = self._mapped[block.pk] = self.store._open_current(block)
+        return self.store._mapped_layer(mapped, block, layer, self.geometry, self.device)
+
+    def close(self) -> None:
+        for mapped in self._mapped.values():
+            mapped.close()
+        self._mapped.clear()
+
+    def __enter__(self) -> HeldLayers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
