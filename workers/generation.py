@@ -53,7 +53,7 @@ from datetime import timedelta
 from functools import partial
 
 from django.conf import settings
-from django.db import close_old_connections, connections
+from django.db import connections
 from django.utils import timezone
 
 from kvsp import blockkeys
@@ -128,15 +128,26 @@ def run_after_blocks(engine, tier_store, blocks: list[StoredBlock], block_tokens
     geometry = Geometry.from_descriptor(engine.descriptor)
 
     def feed() -> None:
+        for layer, index, k, v in tier_store.layers_in_order(blocks, geometry):
+            layerwise.add_layer(index, layer, k, v)
+
+    return _extend_while_feeding(engine, layerwise, feed, rest)
+
+
+def _extend_while_feeding(engine, layerwise, feed, rest):
+    """Run ``rest`` after the blocks of ``layerwise`` while ``feed`` hands it their layers on
+    a thread of its own; whatever ``feed`` raises ends the import, and the forward pass raises
+    it."""
+
+    def run() -> None:
         try:
-            for layer, index, k, v in tier_store.layers_in_order(blocks, geometry):
-                layerwise.add_layer(index, layer, k, v)
+            feed()
         except BaseException as error:
             layerwise.fail(error)
         finally:
-            close_old_connections()
+            connections.close_all()
 
-    feeder = threading.Thread(target=feed, name="kvsp-import", daemon=True)
+    feeder = threading.Thread(target=run, name="kvsp-import", daemon=True)
     feeder.start()
     try:
         engine.extend(layerwise.sequence, rest)
@@ -183,37 +194,23 @@ def import_as_admitted(
 
     def feed() -> None:
         pending = set(keys)
-        try:
-            with HeldLayers(runtime.tier_store, geometry) as held:
-                while pending:
-                    left_s = max((limit - timezone.now()).total_seconds(), 0)
-                    found = notices.wait_until(lambda: admitted(pending) or ended(), left_s)
-                    # Admitted meanwhile: the blocks of a directive's last batch are admitted
-                    # before it ends.
-                    rows = found if isinstance(found, list) else admitted(pending)
-                    if not rows:
-                        missing = min(pending, key=position.__getitem__)
-                        raise PrefixNotLoaded(f"block {missing.hex()} was not loaded")
-                    for row in rows:
-                        index = position[bytes(row.block_key)]
-                        for layer in range(geometry.layers):
-                            layerwise.add_layer(index, layer, *held.layer(row, layer))
-                        pending.discard(bytes(row.block_key))
-        except BaseException as error:
-            layerwise.fail(error)
-        finally:
-            connections.close_all()
+        with HeldLayers(runtime.tier_store, geometry) as held:
+            while pending:
+                left_s = max((limit - timezone.now()).total_seconds(), 0)
+                found = notices.wait_until(lambda: admitted(pending) or ended(), left_s)
+                # Admitted meanwhile: the blocks of a directive's last batch are admitted
+                # before it ends.
+                rows = found if isinstance(found, list) else admitted(pending)
+                if not rows:
+                    missing = min(pending, key=position.__getitem__)
+                    raise PrefixNotLoaded(f"block {missing.hex()} was not loaded")
+                for row in rows:
+                    index = position[bytes(row.block_key)]
+                    for layer in range(geometry.layers):
+                        layerwise.add_layer(index, layer, *held.layer(row, layer))
+                    pending.discard(bytes(row.block_key))
 
-    feeder = threading.Thread(target=feed, name="kvsp-import", daemon=True)
-    feeder.start()
-    try:
-        engine.extend(layerwise.sequence, rest)
-    except BaseException as error:
-        layerwise.fail(error)
-        raise
-    finally:
-        feeder.join()
-    return layerwise.sequence
+    return _extend_while_feeding(engine, layerwise, feed, rest)
 
 
 @dataclass
