@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -78,7 +79,10 @@ def pending_directive() -> Directive:
     )
 
 
-def serving(node, engine, prompt, directive) -> tuple[threading.Thread, list]:
+@contextmanager
+def serving(node, engine, prompt, directive, *, ending: str):
+    """The prompt served on a thread of its own while the block yields (the thread and the
+    list its answer goes to); the directive then ends as ``ending``, if it has not yet."""
     answers = []
 
     def serve() -> None:
@@ -100,19 +104,23 @@ def serving(node, engine, prompt, directive) -> tuple[threading.Thread, list]:
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    return thread, answers
+    try:
+        yield thread, answers
+    finally:
+        end(directive, ending)
+        thread.join(timeout=60)
 
 
 def end(directive: Directive, state: str) -> None:
-    Directive.objects.filter(pk=directive.pk).update(state=state)
+    Directive.objects.filter(pk=directive.pk, state=DirectiveState.PENDING).update(state=state)
     notices.notify()
 
 
 def test_blocks_are_imported_batch_by_batch_as_the_directive_admits_them(node, engine, prompt):
     admit(prompt, engine, 0)  # held before the directive came
     directive = pending_directive()
-    thread, answers = serving(node, engine, prompt, directive)
-    try:
+    with serving(node, engine, prompt, directive, ending=DirectiveState.COMPLETE) as running:
+        thread, answers = running
         thread.join(timeout=0.5)
         assert thread.is_alive() and not answers, "the prompt ran before its blocks were in"
         admit(prompt, engine, 1, 2)
@@ -122,9 +130,6 @@ def test_blocks_are_imported_batch_by_batch_as_the_directive_admits_them(node, e
         admit(prompt, engine, 3, 4)
         thread.join(timeout=60)
         assert not thread.is_alive()
-    finally:
-        end(directive, DirectiveState.COMPLETE)
-        thread.join(timeout=60)
     served = answers[0]
     assert served.loaded_blocks == BLOCKS
     assert served.recomputed_tokens == 5
@@ -134,16 +139,13 @@ def test_blocks_are_imported_batch_by_batch_as_the_directive_admits_them(node, e
 
 def test_a_directive_that_ends_short_leaves_the_admitted_prefix_imported(node, engine, prompt):
     directive = pending_directive()
-    thread, answers = serving(node, engine, prompt, directive)
-    try:
+    with serving(node, engine, prompt, directive, ending=DirectiveState.FAILED) as running:
+        thread, answers = running
         admit(prompt, engine, 0, 1)
         admit(prompt, engine, 3)  # past a gap: of no use to the prefix
         end(directive, DirectiveState.FAILED)
         thread.join(timeout=60)
         assert not thread.is_alive()
-    finally:
-        end(directive, DirectiveState.FAILED)
-        thread.join(timeout=60)
     served = answers[0]
     assert served.loaded_blocks == 2
     assert served.recomputed_tokens == len(prompt.tokens) - 2 * engine.block_tokens
