@@ -237,7 +237,8 @@ def serve_prompt(
     held_keys = {bytes(block.block_key) for block in held}
     last = (len(tokens) - 1) // block_tokens
     if directive is not None and not recompute and directive.state == DirectiveState.PENDING:
-        coming = held_keys | {bytes.fromhex(b["block_key"]) for b in directive.body["blocks"]}
+        listed = directive.body.get("blocks", ())
+        coming = held_keys | {bytes.fromhex(block["block_key"]) for block in listed}
         wanted = list(itertools.takewhile(coming.__contains__, keys[:last]))
         if len(wanted) > len(held[:last]):
             covered = len(wanted) * block_tokens
