@@ -28,8 +28,9 @@ checkpoint covering it was acknowledged, so an instance whose epoch has passed n
 for the session again.
 
 Resume. The blocks the PC listed are loaded as a prefetch directive (leases at the sources,
-verified retrieval, stored and published); the longest prefix of the checkpoint's blocks now
-held is imported layer by layer; prompt_tail and the covered generated tokens after it are
+verified retrieval, stored and published), on a thread of its own, while the longest prefix of
+the checkpoint's blocks held or listed is imported as they are admitted (the prefix then held,
+should the directive end short); prompt_tail and the covered generated tokens after it are
 recomputed; the sampler is restored at its step. The covered tokens the front end does not have
 yet (their instance may have died between a checkpoint and their release) are delivered first,
 and generation continues at output_offset under the new epoch.
@@ -165,13 +166,24 @@ class PrefixNotLoaded(Exception):
 
 
 def import_as_admitted(
-    engine, runtime, compat_id: bytes, scope_id: bytes, keys: list[bytes], directive, tokens, rest
+    engine,
+    runtime,
+    compat_id: bytes,
+    scope_id: bytes,
+    keys: list[bytes],
+    directive,
+    tokens,
+    rest,
+    *,
+    loading: threading.Thread | None = None,
 ):
     """Like ``run_after_blocks``, for the blocks of ``keys`` while a prefetch directive of this
     process is still loading some of them: each block is handed to the import as soon as it is
     admitted, every layer of it, so that joining the layers overlaps the loading and the
     forward pass over ``rest`` starts as the last block arrives. PrefixNotLoaded (from the
-    forward pass) when the directive ended, or passed its deadline, without one of them."""
+    forward pass) when the directive ended, or passed its deadline, without one of them.
+    ``loading``: the thread that carries the directive out, when it is one of the caller's; its
+    end counts as the directive's."""
     layerwise = engine.begin_import(len(keys), tokens=tokens, timeout=IMPORT_TIMEOUT_S)
     geometry = Geometry.from_descriptor(engine.descriptor)
     position = {key: index for index, key in enumerate(keys)}
@@ -189,6 +201,8 @@ def import_as_admitted(
         )
 
     def ended() -> bool:
+        if loading is not None and not loading.is_alive():
+            return True
         directive.refresh_from_db(fields=["state"])
         return directive.state != DirectiveState.PENDING
 
@@ -491,29 +505,8 @@ class SessionRun:
             count=len(prompt_keys),
         )
         keys = prompt_keys + self.chain.extend(after)
-        if self.row.directive_id is not None:
-            prefetching.run_directive(
-                self.row.directive_id, self.runtime.device_tier, admitted=True
-            )
-        self.timer.lap("directive")
-        held = held_prefix(self.name, self.compat_id, self.scope_id, keys)
-        if len(held) < len(prompt_keys):
-            missing = prompt_keys[len(held)].hex()
-            directive = Directive.objects.filter(pk=self.row.directive_id).first()
-            why = f": {directive.reason}" if directive is not None and directive.reason else ""
-            raise ProtocolError(
-                "kvsp-not-found", f"prompt block {missing} could not be loaded{why}"
-            )
-        # Something after the blocks must run, for the logits of the next output token; the
-        # admission made sure that the checkpoint has a token after its prompt blocks.
-        usable = held
-        while (len(usable) - len(prompt_keys)) * block_tokens >= len(after):
-            usable = usable[:-1]
-        covered = (len(usable) - len(prompt_keys)) * block_tokens
-        self.sequence = run_after_blocks(
-            self.engine, self.runtime.tier_store, usable, None, after[covered:]
-        )
-        self.loaded_blocks = len(usable)
+        self.sequence, self.loaded_blocks, held = self._resume_prefix(keys, prompt_keys, after)
+        covered = (self.loaded_blocks - len(prompt_keys)) * block_tokens
         self.recomputed_tokens = len(after) - covered
         self.prompt_blocks = checkpoint.prompt_blocks
         self.prompt_tail = checkpoint.prompt_tail
@@ -542,6 +535,86 @@ class SessionRun:
             ),
         )
         self._deliver_covered()
+
+    def _resume_prefix(self, keys, prompt_keys, after) -> tuple[object, int, list]:
+        """The resumed sequence: the longest prefix of ``keys`` this instance holds (at least
+        the checkpoint's prompt blocks) imported and ``after`` run after it; how many blocks it
+        imported, and the held prefix of ``keys`` then. While the resume's directive is loading,
+        its blocks are imported as they are admitted (``import_as_admitted``)."""
+        block_tokens = self.engine.block_tokens
+
+        def usable(count: int) -> int:
+            # Something after the blocks must run, for the logits of the next output token;
+            # the admission made sure that the checkpoint has a token after its prompt blocks.
+            while (count - len(prompt_keys)) * block_tokens >= len(after):
+                count -= 1
+            return count
+
+        directive = None
+        if self.row.directive_id is not None:
+            directive = Directive.objects.filter(pk=self.row.directive_id).first()
+        if directive is not None and directive.state == DirectiveState.PENDING:
+            loading = threading.Thread(
+                target=self._load_resume_blocks, name="kvsp-resume-load", daemon=True
+            )
+            loading.start()
+            self.timer.lap("directive")
+            held = held_prefix(self.name, self.compat_id, self.scope_id, keys)
+            listed = directive.body.get("blocks", ())
+            coming = {bytes(block.block_key) for block in held}
+            coming |= {bytes.fromhex(block["block_key"]) for block in listed}
+            count = usable(sum(1 for _ in itertools.takewhile(coming.__contains__, keys)))
+            if count >= len(prompt_keys) and count > len(held):
+                covered = (count - len(prompt_keys)) * block_tokens
+                try:
+                    sequence = import_as_admitted(
+                        self.engine,
+                        self.runtime,
+                        self.compat_id,
+                        self.scope_id,
+                        keys[:count],
+                        directive,
+                        None,
+                        after[covered:],
+                        loading=loading,
+                    )
+                except PrefixNotLoaded as error:
+                    log.info("the resumed prefix was not all loaded (%s)", error)
+                except (OSError, TimeoutError, ProtocolError) as error:
+                    log.warning("the resumed prefix could not be imported (%s)", error)
+                else:
+                    held = held_prefix(self.name, self.compat_id, self.scope_id, keys)
+                    return sequence, count, held
+            loading.join()
+        self.timer.lap("directive")
+        held = held_prefix(self.name, self.compat_id, self.scope_id, keys)
+        if len(held) < len(prompt_keys):
+            missing = prompt_keys[len(held)].hex()
+            if directive is not None:
+                directive.refresh_from_db(fields=["reason"])
+            why = f": {directive.reason}" if directive is not None and directive.reason else ""
+            raise ProtocolError(
+                "kvsp-not-found", f"prompt block {missing} could not be loaded{why}"
+            )
+        count = usable(len(held))
+        covered = (count - len(prompt_keys)) * block_tokens
+        sequence = run_after_blocks(
+            self.engine, self.runtime.tier_store, held[:count], None, after[covered:]
+        )
+        return sequence, count, held
+
+    def _load_resume_blocks(self) -> None:
+        """The resume's directive, carried out on a thread of its own while the import waits
+        for its blocks; an instance that cannot carry it out leaves it pending, and the import
+        sees this thread end."""
+        try:
+            prefetching.run_directive(
+                self.row.directive_id, self.runtime.device_tier, admitted=True
+            )
+        except Exception:  # noqa: BLE001 - the resume reports the blocks it lacks
+            log.exception("session %s: loading the resume's blocks failed", self.session)
+        finally:
+            connections.close_all()
 
     def _deliver_covered(self) -> None:
         """Post the covered tokens the front end lacks: the instance that drew them may have

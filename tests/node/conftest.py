@@ -135,9 +135,14 @@ def extra_node(
     n1's and reporting to the cluster's control plane, with no engine (the caller needs the
     database unblocked and starts its processes)."""
     from index.services import do_create_principal
+    from placement.models import Instance
     from placement.services import do_register_instance
 
+    # The cluster outlives the nodes of earlier tests, and their instances stay registered: a
+    # port one of them had, free again, is not a new instance's.
     port = free_port()
+    while Instance.objects.filter(url=f"http://127.0.0.1:{port}/kvsp/").exists():
+        port = free_port()
     url = f"http://127.0.0.1:{port}/kvsp/"
     do_register_instance(name, url)
     token = do_create_principal(

@@ -2,7 +2,8 @@
 are admitted (``workers.generation.serve_prompt`` with the directive), rather than after the
 directive has ended: it waits while a block is missing, takes each batch as the loader admits
 it, and gives the logits of a full prefill. A directive that ends without some of its blocks
-leaves the prompt served from the prefix that was admitted."""
+leaves the prompt served from the prefix that was admitted. A resume imports the blocks of the
+directive it carries out itself the same way (``import_as_admitted`` with its loading thread)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from django.utils import timezone
 from workers import notices, services, tiers
 from workers.engines.modeldir import create_reference_model
 from workers.engines.reference import ReferenceEngine
-from workers.generation import serve_prompt
+from workers.generation import PrefixNotLoaded, import_as_admitted, serve_prompt
 from workers.models import Directive, DirectiveState
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -150,3 +151,40 @@ def test_a_directive_that_ends_short_leaves_the_admitted_prefix_imported(node, e
     assert served.loaded_blocks == 2
     assert served.recomputed_tokens == len(prompt.tokens) - 2 * engine.block_tokens
     assert torch.allclose(served.sequence.logits, prompt.logits, atol=1e-4)
+
+
+def test_an_import_stops_waiting_when_the_thread_loading_its_directive_ends(node, engine, prompt):
+    """A resume carries its directive out on a thread of its own: should that thread end with
+    the directive still pending (it failed), the import stops waiting for it at once, not at
+    the deadline."""
+    admit(prompt, engine, 0)
+    directive = pending_directive()
+    loading = threading.Thread(target=lambda: None)
+    loading.start()
+    loading.join()
+    outcome = []
+
+    def run() -> None:
+        covered = BLOCKS * engine.block_tokens
+        try:
+            import_as_admitted(
+                engine,
+                node,
+                COMPAT,
+                SCOPE,
+                KEYS,
+                directive,
+                prompt.tokens[:covered],
+                prompt.tokens[covered:],
+                loading=loading,
+            )
+        except PrefixNotLoaded as error:
+            outcome.append(str(error))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the import waited for the deadline"
+    assert outcome == [f"block {KEYS[1].hex()} was not loaded"]
