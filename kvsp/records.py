@@ -1350,34 +1350,44 @@ class LookupRequest(Record):
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class PlacementRequest(Record):
+TokenId = Annotated[int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)]
+
+
+class PlacementRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """POST CP placements (DESIGN.md section 3): a prompt of at least one token to place."""
 
     NAME: ClassVar[str] = "placement request"
 
-    scope_id: str
-    compat_id: str
-    tokens: tuple[int, ...]
-    request_ref: str | None = None
+    scope_id: Hex16
+    compat_id: Hex32
+    tokens: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids")]
+    request_ref: (
+        Annotated[
+            str,
+            _rule(
+                f"must be a string of at most {MAX_TEXT_LENGTH} characters",
+                max_length=MAX_TEXT_LENGTH,
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
-        _check_hex(self.scope_id, ("scope_id",), 16)
-        _check_hex(self.compat_id, ("compat_id",), 32)
-        _check_uint32_list(self.tokens, ("tokens",))
+        if _lower_hex(self.scope_id) is None:
+            _broken(("scope_id",), _HEX16_RULE)
+        if _lower_hex(self.compat_id) is None:
+            _broken(("compat_id",), _HEX32_RULE)
         if not self.tokens:
-            _fail(("tokens",), "must not be empty")
-        if self.request_ref is not None:
-            _check_text(self.request_ref, ("request_ref",))
+            _broken(("tokens",), "must not be empty")
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            scope_id=_required(obj, "scope_id"),
-            compat_id=_required(obj, "compat_id"),
-            tokens=_array(_required(obj, "tokens"), ("tokens",), limits.max_tokens),
-            request_ref=_optional(obj, "request_ref"),
-        )
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        tokens = obj.get("tokens") if isinstance(obj, dict) else None
+        if isinstance(tokens, list | tuple) and len(tokens) > limits.max_tokens:
+            _fail(
+                ("tokens",), f"has {len(tokens)} entries; at most {limits.max_tokens} are accepted"
+            )
+        return _decode(cls, obj, limits)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import close_old_connections, connections, transaction
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
@@ -30,10 +30,82 @@ from placement.models import Directive, DirectiveState, InstanceState
 
 log = logging.getLogger(__name__)
 
-_senders: ThreadPoolExecutor | None = None
+_clients = threading.local()
+
+
+class Senders:
+    """A few threads that carry out this process's messages to instances, in order of arrival.
+
+    A sender keeps its database connection while work keeps coming (opening one costs the
+    database a new backend, several milliseconds of CPU that a placement after it would wait
+    for) and closes it once it has been idle for ``idle_s``, or when ``close`` is called.
+    """
+
+    def __init__(self, threads: int, idle_s: float):
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._size, self._idle_s = threads, idle_s
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._closed = False
+
+    def submit(self, work: Callable[[], object]) -> None:
+        """Run ``work`` on a sender; RuntimeError once the senders are closed."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the senders are closed")
+            if self._waiting == 0 and len(self._threads) < self._size:
+                thread = threading.Thread(
+                    target=self._serve, name=f"kvsp-sender-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+        self._work.put(work)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop taking work; let the senders finish what they hold, close their connections
+        and end."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._work.put(None)
+        for thread in threads:
+            thread.join(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            work = self._next()
+            if work is None:
+                connections.close_all()
+                return
+            close_old_connections()  # as a request starts: a broken or too old one goes
+            try:
+                work()
+            except Exception:
+                log.exception("a message to an instance failed")
+            finally:
+                close_old_connections()
+
+    def _next(self) -> Callable[[], object] | None:
+        with self._lock:
+            self._waiting += 1
+        try:
+            try:
+                return self._work.get(timeout=self._idle_s)
+            except queue.Empty:
+                connections.close_all()  # idle: this thread's own connections
+                return self._work.get()
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+
+_senders: Senders | None = None
 _senders_pid = 0
 _senders_lock = threading.Lock()
-_clients = threading.local()
+# How long a sender keeps its database connection without work.
+SENDER_IDLE_S = 2.0
 
 
 def finish_directive(directive_id: int, state: str, **fields) -> None:
@@ -95,7 +167,7 @@ def send_soon(directive: Directive) -> None:
     """Send a committed directive now, from this process's senders (call it on commit with the
     row as recorded: the sender writes its document from it, off the caller's path)."""
     try:
-        _pool().submit(_send_or_hand_over, directive)
+        _pool().submit(lambda: _send_or_hand_over(directive))
     except RuntimeError:  # the interpreter is shutting down: the task sends it instead
         _hand_over(directive.pk)
 
@@ -110,8 +182,6 @@ def run_soon(work: Callable[[], object], hand_over: Callable[[], object], what: 
         except Exception as error:
             log.info("%s not done at once (%s): its task retries", what, error)
             hand_over()
-        finally:
-            connections.close_all()  # this thread's own connections
 
     try:
         _pool().submit(attempt)
@@ -119,16 +189,24 @@ def run_soon(work: Callable[[], object], hand_over: Callable[[], object], what: 
         hand_over()
 
 
-def _pool() -> ThreadPoolExecutor:
+def _pool() -> Senders:
     # One pool per process: a pool made before a fork (gunicorn, Celery) has no threads after.
     global _senders, _senders_pid
     with _senders_lock:
         if _senders is None or _senders_pid != os.getpid():
-            _senders = ThreadPoolExecutor(
-                max_workers=settings.KVSP_DIRECTIVE_SENDERS, thread_name_prefix="kvsp-directive"
-            )
+            _senders = Senders(settings.KVSP_DIRECTIVE_SENDERS, SENDER_IDLE_S)
             _senders_pid = os.getpid()
         return _senders
+
+
+def close_senders() -> None:
+    """Close this process's senders and their database connections (a later send starts new
+    ones): for a process that is about to drop or leave its database."""
+    global _senders
+    with _senders_lock:
+        senders, _senders = _senders, None
+    if senders is not None and _senders_pid == os.getpid():
+        senders.close()
 
 
 def _client() -> httpx.Client:
@@ -154,8 +232,6 @@ def _send_or_hand_over(directive: Directive) -> None:
     except Exception:
         log.exception("directive %s not delivered at once: the task retries", directive_id)
         _hand_over(directive_id)
-    finally:
-        connections.close_all()  # this thread's own connections
 
 
 def _hand_over(directive_id: int) -> None:

@@ -30,7 +30,7 @@ from placement.selectors import candidates, matched_block_table
 
 
 @dataclass
-class _Timer:
+class Timer:
     """Microseconds spent in each step, so that an answer explains where its time went."""
 
     spent: dict
@@ -49,10 +49,10 @@ def _candidate_json(instance, price: pricing.Price) -> dict:
     return {"name": instance.name, "state": instance.state, **price.to_json()}
 
 
-def do_place(principal, body: object, *, now=None) -> dict:
-    """The answer to ``POST placements`` (DESIGN.md section 3)."""
-    timer = _Timer()
-    request = PlacementRequest.from_json(body)
+def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | None = None) -> dict:
+    """The answer to ``POST placements`` (DESIGN.md section 3); ``timer`` started as the
+    request arrived, when the caller decoded it."""
+    timer = timer or Timer()
     now = now or timezone.now()
     scope_id, compat_id = bytes.fromhex(request.scope_id), bytes.fromhex(request.compat_id)
     # The scope and the block size of its Compatibility ID in one round trip.

@@ -45,6 +45,17 @@ def _fresh_lookup_tally():
 
 
 @pytest.fixture(scope="session")
+def django_db_setup(django_db_setup):
+    """pytest-django's test database, whose teardown first closes the directive senders of
+    this process: they keep their connections while busy, and a database with open
+    connections cannot be dropped."""
+    yield
+    from placement import delivery
+
+    delivery.close_senders()
+
+
+@pytest.fixture(scope="session")
 def database_url(django_db_setup, django_db_blocker) -> str:
     """A URL of the test database, for processes the tests start."""
     from django.db import connection

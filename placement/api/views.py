@@ -7,6 +7,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from kvsp.problems import ProtocolError
+from kvsp.records import PlacementRequest
 from placement import placements, resharding, services
 from placement.models import Instance
 from placement.selectors import instance_json, readable_reshard, readable_shard_map
@@ -53,7 +54,9 @@ class PlacementView(APIView):
     """Choose an instance for a request and prefetch its cache there (6.4, 6.5)."""
 
     def post(self, request):
-        return Response(placements.do_place(request.user, request.data))
+        timer = placements.Timer()
+        placement = PlacementRequest.from_json(request.data)
+        return Response(placements.do_place(request.user, placement, timer=timer))
 
 
 class ShardMapView(APIView):

@@ -129,6 +129,7 @@ def test_a_placement_that_prefetches_is_four_statements(
     import psycopg
 
     from index.auth import principal_for_token
+    from kvsp.records import PlacementRequest
     from placement import delivery, placements
     from tests.support.fixtures import make_caller
 
@@ -153,7 +154,7 @@ def test_a_placement_that_prefetches_is_four_statements(
     request = {"scope_id": cluster.scope.scope_id_hex, "compat_id": cluster.compat}
     request |= {"tokens": cluster.tokens, "request_ref": "req-q"}
     with django_capture_on_commit_callbacks(execute=True):
-        answer = placements.do_place(router, request)
+        answer = placements.do_place(router, PlacementRequest.from_json(request))
     monkeypatch.setattr(psycopg.Cursor, "execute", execute)
     assert len(executed) == 4, executed
     assert answer["name"] == "engine-2" and answer["matched"] == 4
@@ -221,16 +222,18 @@ def test_another_scope_is_not_found(cluster):
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("change", "named"),
     [
-        {"tokens": "abc"},
-        {"tokens": [-1]},
-        {"compat_id": "zz"},
-        {"scope_id": 5},
-        {"tokens": [2**32]},
+        ({"tokens": "abc"}, "tokens: must be an array"),
+        ({"tokens": [-1]}, "tokens[0]: must be an integer from 0"),
+        ({"tokens": [1, True]}, "tokens[1]: must be an integer from 0"),
+        ({"tokens": []}, "tokens: must not be empty"),
+        ({"compat_id": "zz"}, "compat_id: must be hex32"),
+        ({"scope_id": 5}, "scope_id: must be hex16"),
+        ({"tokens": [2**32]}, "tokens[0]: must be an integer from 0"),
     ],
 )
-def test_malformed_placements(cluster, change):
+def test_malformed_placements(cluster, change, named):
     request = {
         "scope_id": cluster.scope.scope_id_hex,
         "compat_id": cluster.compat,
@@ -238,8 +241,9 @@ def test_malformed_placements(cluster, change):
         **change,
     }
     response = cluster.router.post("/kvsp/placements", request)
-    assert response.status_code in (400, 422)
+    assert response.status_code == 422
     assert response["Content-Type"] == "application/problem+json"
+    assert named in body(response)["detail"]
 
 
 def test_unregistered_descriptor_is_404(cluster):
