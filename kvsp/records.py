@@ -64,6 +64,8 @@ UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 MAX_URL_LENGTH = 2048
 MAX_TEXT_LENGTH = 1024
+# A router's reference of a placement, kept with the directive it leads to.
+MAX_REQUEST_REF_LENGTH = 400
 
 # Tiers this implementation stores blocks in (DESIGN.md section 1). The spec does not register
 # tier names, so a holder may report another lowercase name (a new kind of memory); placement
@@ -1365,8 +1367,8 @@ class PlacementRequest(msgspec.Struct, frozen=True, omit_defaults=True):
         Annotated[
             str,
             _rule(
-                f"must be a string of at most {MAX_TEXT_LENGTH} characters",
-                max_length=MAX_TEXT_LENGTH,
+                f"must be a string of at most {MAX_REQUEST_REF_LENGTH} characters",
+                max_length=MAX_REQUEST_REF_LENGTH,
             ),
         ]
         | None

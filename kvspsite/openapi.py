@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
+from kvsp.records import MAX_REQUEST_REF_LENGTH
 from kvsp.sharding import MAX_DEADLINE_MS
 
 JSON_TYPES = ("application/kvsp+json", "application/json")
@@ -325,7 +326,7 @@ SCHEMAS = {
             "scope_id": _hex(16),
             "compat_id": _hex(32),
             "tokens": {"type": "array", "items": _TOKEN},
-            "request_ref": {"type": "string", "maxLength": 400},
+            "request_ref": {"type": "string", "maxLength": MAX_REQUEST_REF_LENGTH},
         },
         ["scope_id", "compat_id", "tokens"],
     ),

@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 from django.db import models
 
+from kvsp.records import MAX_REQUEST_REF_LENGTH
 from kvsp.states import DirectiveStatus
 from kvsp.states import InstanceState as LifecycleState
 
@@ -142,7 +143,7 @@ class Directive(models.Model):
 
     directive = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="directives")
-    request_ref = models.CharField(max_length=400, blank=True, default="")
+    request_ref = models.CharField(max_length=MAX_REQUEST_REF_LENGTH, blank=True, default="")
     scope_id = models.BinaryField(max_length=16)
     compat_id = models.BinaryField(max_length=32)
     # The directive's "blocks" (``blocks``), packed: thousands of entries name a few distinct

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvsp.records import MAX_REQUEST_REF_LENGTH
 from placement.models import Directive, Instance
 from tests.placement.conftest import HOLDER
 from tests.support.fixtures import body, make_instance, problem_name, report, status_record
@@ -43,6 +44,19 @@ def test_a_hit_on_a_fast_link_wins(cluster):
     assert [b["block_key"] for b in directive.blocks] == cluster.keys
     assert all(b["sources"] == [HOLDER] for b in directive.blocks)
     assert directive.request_ref == "req-1"
+
+
+def test_a_request_ref_the_directive_cannot_keep_is_refused(cluster):
+    """The directive keeps the router's reference: a longer one is a 422 that names it, not
+    a failed INSERT, and nothing is recorded."""
+    cluster.publish(4)
+    up("fast", scope=cluster.scope, links=[link(100_000)])
+    response = cluster.place(request_ref="r" * (MAX_REQUEST_REF_LENGTH + 1))
+    assert response.status_code == 422
+    assert "request_ref: must be a string of at most 400" in body(response)["detail"]
+    assert not Directive.objects.exists()
+    assert body(cluster.place(request_ref="r" * MAX_REQUEST_REF_LENGTH))["directive"]
+    assert Directive.objects.get().request_ref == "r" * MAX_REQUEST_REF_LENGTH
 
 
 def test_a_hit_on_a_slow_link_loses_to_recompute(cluster):
