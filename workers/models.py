@@ -376,3 +376,12 @@ class ReshardMove(models.Model):
 
     def __str__(self) -> str:
         return f"{self.map} -> v{self.to_version} at {self.instance} ({self.phase})"
+
+    @property
+    def notice_channel(self) -> str:
+        """The Postgres channel on which a plan's request waits for this move's loading."""
+        return self.channel_of(self.pk)
+
+    @staticmethod
+    def channel_of(move_id: int) -> str:
+        return f"kvsp_reshard_move_{move_id}"

@@ -71,13 +71,11 @@ from kvsp.records import (
     TokenRange,
 )
 from kvspsite.celery import enqueue, instance_queue
-from workers import fetch, loader, services
+from workers import fetch, loader, notices, services
 from workers.models import MovePhase, ReshardMove, StoredBlock
 
 log = logging.getLogger(__name__)
 
-# How often a plan's request looks at its move while the worker loads it.
-POLL_S = 0.01
 # The lease a member takes at a source: long enough for any plan's deadline to pass first.
 LEASE_MS = 30_000
 _BLOCK_MEMBERS = ("scope_id", "compat_id", "block_tokens", "blocks")
@@ -238,28 +236,33 @@ def do_prepare(plan: ReshardPlan, body: dict) -> ReshardMove:
 
 
 def _wait_loaded(move: ReshardMove, deadline_ms: int) -> ReshardMove:
-    give_up = time.monotonic() + deadline_ms / 1000
-    while True:
+    """``move`` once its fetch ranges are loaded, woken by the worker as loading ends or the
+    move is decided (``notices.announce``); a problem when it fails or the deadline passes."""
+
+    def settled() -> bool:
         move.refresh_from_db()
-        if move.phase != MovePhase.PREPARING:
-            raise ProtocolError(
-                "kvsp-invalid-state",
-                f"the move of {move.map} to version {move.to_version} was {move.phase} while "
-                "its fetch ranges loaded",
-            )
-        if move.loaded_at is not None:
-            return move
-        if move.load_error:
-            raise ProtocolError(
-                "kvsp-upstream-error", f"the fetch ranges could not be loaded: {move.load_error}"
-            )
-        if time.monotonic() >= give_up:
-            raise ProtocolError(
-                "kvsp-unavailable",
-                f"the fetch ranges were not loaded within deadline_ms ({deadline_ms} ms): "
-                f"{move.fetched_blocks} of {len(move.fetch_keys)} blocks so far",
-            )
-        time.sleep(POLL_S)
+        return (
+            move.phase != MovePhase.PREPARING or move.loaded_at is not None or bool(move.load_error)
+        )
+
+    notices.wait_across(move.notice_channel, settled, deadline_ms / 1000)
+    if move.phase != MovePhase.PREPARING:
+        raise ProtocolError(
+            "kvsp-invalid-state",
+            f"the move of {move.map} to version {move.to_version} was {move.phase} while "
+            "its fetch ranges loaded",
+        )
+    if move.loaded_at is not None:
+        return move
+    if move.load_error:
+        raise ProtocolError(
+            "kvsp-upstream-error", f"the fetch ranges could not be loaded: {move.load_error}"
+        )
+    raise ProtocolError(
+        "kvsp-unavailable",
+        f"the fetch ranges were not loaded within deadline_ms ({deadline_ms} ms): "
+        f"{move.fetched_blocks} of {len(move.fetch_keys)} blocks so far",
+    )
 
 
 def do_decide(decision: ReshardCommit | ReshardAbort, body: dict) -> ReshardMove:

@@ -54,7 +54,7 @@ from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirecti
 from kvsp.registries import RAW_CODEC, lookup_codec
 from kvsp.states import INSTANCE_LIFECYCLE, RESHARD_PHASES, InstanceEvent, ReshardEvent
 from kvspsite.celery import instance_queue
-from workers import control, selectors, tiers
+from workers import control, notices, selectors, tiers
 from workers.models import (
     Directive,
     Lease,
@@ -1132,6 +1132,7 @@ def _clear_for_new_try(
         latest.phase = MovePhase.ABORTED
         latest.decided_at = latest.finished_at = now
         latest.save(update_fields=["phase", "decided_at", "finished_at"])
+        notices.announce(latest.notice_channel)
         return latest
     return None
 
@@ -1277,6 +1278,7 @@ def do_finish_loading(move_id: int, error: str = "") -> None:
         moves.update(load_error=error)
     else:
         moves.update(loaded_at=timezone.now(), load_error="")
+    notices.announce(ReshardMove.channel_of(move_id))
 
 
 def do_commit_move(map_id: str, to_version: int, attempt: int | None = None) -> ReshardMove:
@@ -1302,6 +1304,7 @@ def do_commit_move(map_id: str, to_version: int, attempt: int | None = None) -> 
             if not move.owed_release:
                 move.finished_at = now
             move.save()
+            notices.announce(move.notice_channel)
     # A record that cannot be published now is due at once: the keeper publishes it.
     publish_all(fetched)
     do_release_owed(name, move.pk)
@@ -1326,6 +1329,7 @@ def do_abort_move(map_id: str, to_version: int, attempt: int | None = None) -> R
             move.phase = phase
             move.decided_at = move.finished_at = timezone.now()
             move.save(update_fields=["phase", "decided_at", "finished_at"])
+            notices.announce(move.notice_channel)
     return move
 
 
