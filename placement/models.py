@@ -23,6 +23,16 @@ class InstanceState(models.TextChoices):
     FAILED = LifecycleState.FAILED.value
 
 
+def serves(compat_id_hex: str, compat_ids, reported_compat_ids, *, engine: object) -> bool:
+    """``Instance.serves`` from an instance's registered and reported compat ids and the
+    ``engine`` member of its latest status record (None when absent): for a caller that read
+    those alone rather than the row and its whole record."""
+    if engine is False:
+        return False
+    listed = set(compat_ids) | set(reported_compat_ids or ())
+    return not listed or compat_id_hex in listed
+
+
 class Instance(models.Model):
     """An inference instance: its registration, its lifecycle state as the PC decides it, and
     the figures of its latest accepted status record.
@@ -74,15 +84,8 @@ class Instance(models.Model):
         """Whether placement and resume may choose the instance for a request of this compat id
         (DESIGN.md section 3): never a node without an engine, whatever its compat ids; else
         one of its registered and reported compat ids together, or any when it lists none."""
-        return self.serves_with(compat_id_hex, engine=(self.last_status or {}).get("engine"))
-
-    def serves_with(self, compat_id_hex: str, *, engine: object) -> bool:
-        """``serves``, given the ``engine`` member of the latest status record (None when it
-        is absent): for a caller that read that member alone rather than the whole record."""
-        if engine is False:
-            return False
-        listed = set(self.compat_ids) | set(self.reported_compat_ids or ())
-        return not listed or compat_id_hex in listed
+        engine = (self.last_status or {}).get("engine")
+        return serves(compat_id_hex, self.compat_ids, self.reported_compat_ids, engine=engine)
 
     @property
     def runs_engine(self) -> bool:

@@ -129,7 +129,7 @@ def _send_directive(instance, request, scope_id, compat_id, packed: dict) -> str
     """Record the directive (one INSERT; ``packed``: its blocks as ``Directive.pack`` gives
     them); once it is committed, send it (a row before a message)."""
     directive = Directive.objects.create(
-        instance=instance,
+        instance_id=instance.pk,
         request_ref=request.request_ref or "",
         scope_id=scope_id,
         compat_id=compat_id,

@@ -30,6 +30,7 @@ from placement.models import (
     ReshardPhase,
     ShardMap,
     StatusSample,
+    serves,
 )
 
 
@@ -136,14 +137,22 @@ class LiveStatus(NamedTuple):
     links: tuple[LinkFigures, ...]
 
 
+class Candidate(NamedTuple):
+    """An instance as placement reads it: enough to price it, name it and send it a directive
+    (``Instance.objects.get(pk=...)`` for the row itself)."""
+
+    pk: int
+    name: str
+    url: str
+    state: str
+
+
 # An instance row as placement reads it: not the whole status record, only its links and the
-# one member ``serves`` needs. The fields are in the model's order, as ``Instance.from_db``
-# takes them.
-_PRICED_FIELDS = (
+# one member ``serves`` needs, in the order ``candidates`` takes them.
+_CANDIDATE_FIELDS = (
     "id",
     "name",
     "url",
-    "compat_ids",
     "state",
     "running",
     "queued",
@@ -151,70 +160,70 @@ _PRICED_FIELDS = (
     "kv_utilization",
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
+    "compat_ids",
     "reported_compat_ids",
 )
-_JSON_FIELDS = ("compat_ids", "reported_compat_ids")
-# What the queryset of ``_candidate_rows`` compiles to on Postgres (its ``exclude`` is the JSON
-# null, which SQL NULL fails too), written once: a placement reads the whole fleet, and the ORM
-# took a third of the time compiling the query and decoding the JSON columns. The JSON comes
-# as text for orjson.
+# What ``_candidate_rows`` asks of Postgres (the JSON null fails ``last_status = 'null'`` as
+# SQL NULL does), written once and read into tuples: a placement reads the whole fleet, and the
+# ORM took a third of the time compiling the query, decoding the JSON columns and building model
+# instances. The JSON comes as text for orjson.
 _SELECT_CANDIDATES = (
-    "SELECT "
-    + ", ".join(f"{f}::text" if f in _JSON_FIELDS else f for f in _PRICED_FIELDS)
-    + ", (last_status -> 'links')::text, (last_status -> 'engine')::text "
+    "SELECT id, name, url, state, running, queued, batch_size, kv_utilization, "
+    "prefill_tokens_per_s, decode_tokens_per_s, compat_ids::text, reported_compat_ids::text, "
+    "(last_status -> 'links')::text, (last_status -> 'engine')::text "
     "FROM placement_instance WHERE expires_at > %s AND state = ANY(%s) "
     "AND NOT (last_status = 'null'::jsonb) ORDER BY name"
 )
 
 
 def _candidate_rows(states, now) -> list[tuple]:
-    """(instance, links, engine) of the instances in ``states`` with an unexpired status
-    record, by name; links and engine as that record has them (engine None when absent)."""
+    """The ``_CANDIDATE_FIELDS``, then the links and the engine member of the status record
+    (None when absent), of the instances in ``states`` with an unexpired status record, by
+    name; the JSON decoded."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(_SELECT_CANDIDATES, [now, [str(state) for state in states]])
             rows = cursor.fetchall()
-        loads, columns = orjson.loads, len(_PRICED_FIELDS)
-        json_at = [_PRICED_FIELDS.index(f) for f in _JSON_FIELDS]
-        found = []
-        for row in rows:
-            values = list(row[:columns])
-            for j in json_at:
-                if values[j] is not None:
-                    values[j] = loads(values[j])
-            links, engine = row[columns:]
-            instance = Instance.from_db(connection.alias, _PRICED_FIELDS, values)
-            found.append((instance, loads(links), None if engine is None else loads(engine)))
-        return found
-    live = (
+        loads = orjson.loads
+        return [
+            (
+                *row[:10],
+                loads(row[10]),
+                None if row[11] is None else loads(row[11]),
+                loads(row[12]),
+                None if row[13] is None else loads(row[13]),
+            )
+            for row in rows
+        ]
+    return list(
         Instance.objects.filter(state__in=states, expires_at__gt=now)
         .exclude(last_status=None)
-        .only(*_PRICED_FIELDS)
         .annotate(
             status_links=KeyTransform("links", "last_status"),
             status_engine=KeyTransform("engine", "last_status"),
         )
+        .values_list(*_CANDIDATE_FIELDS, "status_links", "status_engine")
     )
-    return [(instance, instance.status_links, instance.status_engine) for instance in live]
 
 
 def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
-    """(instance, live status) of the instances in ``states`` that serve the compat id."""
+    """(Candidate, live status) of the instances in ``states`` that serve the compat id."""
     now = now or timezone.now()
-    for instance, links, engine in _candidate_rows(states, now):
-        # The one member of the record ``serves`` needs, so that the record itself stays unread.
-        if not instance.serves_with(compat_id_hex, engine=engine):
+    for row in _candidate_rows(states, now):
+        pk, name, url, state, running, queued, batch_size, kv_utilization = row[:8]
+        prefill, decode, compat_ids, reported, links, engine = row[8:]
+        if not serves(compat_id_hex, compat_ids, reported, engine=engine):
             continue
         yield (
-            instance,
+            Candidate(pk, name, url, state),
             LiveStatus(
-                instance.url,
-                instance.running,
-                instance.queued,
-                instance.batch_size,
-                instance.kv_utilization,
-                instance.prefill_tokens_per_s,
-                instance.decode_tokens_per_s,
+                url,
+                running,
+                queued,
+                batch_size,
+                kv_utilization,
+                prefill,
+                decode,
                 tuple(
                     LinkFigures(link["holder"], link["mbit_per_s"], link["rtt_us"])
                     for link in links

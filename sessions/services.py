@@ -339,8 +339,8 @@ def resume_plan(session: Session, *, exclude=(), now=None):
     chosen = pricing.cheapest(pricing.price_candidates(entries, blocks, **terms))
     if chosen is None:
         return None, None
-    instance, status, _ = chosen
-    return instance, pricing.breakdown(status, blocks, **terms)
+    candidate, status, _ = chosen
+    return Instance.objects.get(pk=candidate.pk), pricing.breakdown(status, blocks, **terms)
 
 
 def do_fail_over_instance_sessions(instance_id: int, *, now=None) -> list[uuid.UUID]:
