@@ -11,6 +11,7 @@ its id.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -54,7 +55,8 @@ class Senders:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the senders are closed")
-            if self._waiting == 0 and len(self._threads) < self._size:
+            # Another thread when the work already queued would keep every idle one busy.
+            if self._work.qsize() >= self._waiting and len(self._threads) < self._size:
                 thread = threading.Thread(
                     target=self._serve, name=f"kvsp-sender-{len(self._threads)}", daemon=True
                 )
@@ -106,6 +108,8 @@ _senders_pid = 0
 _senders_lock = threading.Lock()
 # How long a sender keeps its database connection without work.
 SENDER_IDLE_S = 2.0
+# How long an exiting process waits for each sender to finish what is queued.
+SENDER_EXIT_S = 5.0
 
 
 def finish_directive(directive_id: int, state: str, **fields) -> None:
@@ -196,6 +200,8 @@ def _pool() -> Senders:
         if _senders is None or _senders_pid != os.getpid():
             _senders = Senders(settings.KVSP_DIRECTIVE_SENDERS, SENDER_IDLE_S)
             _senders_pid = os.getpid()
+            # What is queued still goes out as the process exits (the senders are daemons).
+            atexit.register(_senders.close, SENDER_EXIT_S)
         return _senders
 
 

@@ -68,3 +68,18 @@ def test_work_that_raises_leaves_the_sender_serving():
         assert backend_of_sender(senders) > 0
     finally:
         senders.close()
+
+
+def test_a_slow_message_does_not_hold_up_the_next_one():
+    """A send that waits on an unresponsive instance leaves the next directive to another
+    sender, up to the pool's size."""
+    senders = Senders(2, idle_s=60)
+    stuck, released, later = threading.Event(), threading.Event(), threading.Event()
+    try:
+        senders.submit(lambda: (stuck.set(), released.wait(30)))
+        assert stuck.wait(10)
+        senders.submit(later.set)
+        assert later.wait(10), "the second message waited for the first"
+    finally:
+        released.set()
+        senders.close()
