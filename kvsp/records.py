@@ -690,15 +690,15 @@ def _joined(prefix: Path, error: InvalidRecord) -> tuple:
     return (*prefix, *error.path), error.message, related
 
 
-def _decode(cls: type[S], obj: object, limits: Limits, bounded: tuple[str, ...] = ()) -> S:
-    """``obj``, a decoded JSON value, as a record of ``cls``; the members named in ``bounded``
-    are arrays bounded by ``limits.max_layers`` before any of their entries is looked at."""
+def _decode(cls: type[S], obj: object, bounded: Mapping[str, int] | None = None) -> S:
+    """``obj``, a decoded JSON value, as a record of ``cls``; each member named in ``bounded``
+    is an array of at most that many entries, checked before any entry is looked at."""
     if not isinstance(obj, dict):
         raise InvalidRecord((), f"a {cls.NAME} must be a JSON object")
-    for name in bounded:
+    for name, most in (bounded or {}).items():
         value = obj.get(name)
-        if isinstance(value, list | tuple) and len(value) > limits.max_layers:
-            _fail((name,), f"has {len(value)} entries; at most {limits.max_layers} are accepted")
+        if isinstance(value, list | tuple) and len(value) > most:
+            _fail((name,), f"has {len(value)} entries; at most {most} are accepted")
     try:
         return msgspec.convert(obj, cls)
     except msgspec.ValidationError as error:  # __post_init__'s _BrokenRule is its cause
@@ -764,7 +764,7 @@ class ResidencyEntry(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @classmethod
     def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _decode(cls, obj, limits)
+        return _decode(cls, obj)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tier": self.tier, "layers": list(self.layers)}
@@ -881,7 +881,8 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @classmethod
     def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _decode(cls, obj, limits, bounded=("layer_digests", "residency"))
+        bound = limits.max_layers
+        return _decode(cls, obj, {"layer_digests": bound, "residency": bound})
 
     @classmethod
     def batch_from_body(
@@ -1384,12 +1385,7 @@ class PlacementRequest(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @classmethod
     def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        tokens = obj.get("tokens") if isinstance(obj, dict) else None
-        if isinstance(tokens, list | tuple) and len(tokens) > limits.max_tokens:
-            _fail(
-                ("tokens",), f"has {len(tokens)} entries; at most {limits.max_tokens} are accepted"
-            )
-        return _decode(cls, obj, limits)
+        return _decode(cls, obj, {"tokens": limits.max_tokens})
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -1568,7 +1564,7 @@ class BlockBatchRequest(msgspec.Struct, frozen=True):
         keys = obj.get("block_keys") if isinstance(obj, dict) else None
         if isinstance(keys, list) and len(keys) > limits.max_block_keys:
             _fail(("block_keys",), f"has more than {limits.max_block_keys} entries")
-        return _decode(cls, obj, limits)
+        return _decode(cls, obj)
 
     def to_json(self) -> dict[str, Any]:
         return {"block_keys": list(self.block_keys)}

@@ -9,9 +9,9 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from django.db import connections
 from django.utils import timezone
 
+from tests.support.waiting import in_thread
 from workers import notices
 from workers.generation import wait_for_directive
 from workers.models import Directive, DirectiveState
@@ -38,17 +38,7 @@ def pending_directive(loaded: list[str]) -> Directive:
 
 
 def waiting() -> tuple[threading.Thread, list]:
-    answers = []
-
-    def wait() -> None:
-        try:
-            answers.append(wait_for_directive("ii1", "placement-1"))
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
-    return thread, answers
+    return in_thread(lambda: wait_for_directive("ii1", "placement-1"))
 
 
 def end(row: Directive) -> None:

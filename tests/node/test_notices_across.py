@@ -7,8 +7,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, transaction
 
+from tests.support.waiting import in_thread, wait_until
 from workers import notices
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -18,17 +19,7 @@ NEVER_S = 600
 
 
 def waiting(channel: str, predicate) -> tuple[threading.Thread, list]:
-    answers = []
-
-    def wait() -> None:
-        try:
-            answers.append(notices.wait_across(channel, predicate, NEVER_S, recheck_s=NEVER_S))
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
-    return thread, answers
+    return in_thread(lambda: notices.wait_across(channel, predicate, NEVER_S, recheck_s=NEVER_S))
 
 
 def listening(channel: str) -> bool:
@@ -48,7 +39,7 @@ def test_an_announcement_wakes_the_waiter_once_its_transaction_commits():
 
     thread, answers = waiting("kvsp_test_move_1", settled)
     try:
-        notices.wait_until(lambda: listening("kvsp_test_move_1"), 30)
+        wait_until(lambda: listening("kvsp_test_move_1"), "the waiter to listen")
         with transaction.atomic():
             done.append(True)
             notices.announce("kvsp_test_move_1")
@@ -70,7 +61,7 @@ def test_another_channel_does_not_wake_the_waiter():
     done = []
     thread, answers = waiting("kvsp_test_move_2", lambda: bool(done))
     try:
-        notices.wait_until(lambda: listening("kvsp_test_move_2"), 30)
+        wait_until(lambda: listening("kvsp_test_move_2"), "the waiter to listen")
         done.append(True)
         notices.announce("kvsp_test_move_3")
         thread.join(timeout=1)
