@@ -367,8 +367,8 @@ def ttft(fleet: Fleet, options, rng: random.Random) -> None:
             placement = place(fleet, tokens, reference)
             key = next(k for k, url in fleet.urls.items() if url == placement["instance"])
             session = str(uuid.uuid4())
-            # As README says a front end does: the request_ref only when a directive was sent,
-            # or the node waits for one that never comes.
+            # As docs/node.md ("Generate") says a front end does: the request_ref only when a
+            # directive was sent, or the node waits for one that never comes.
             waits = {"request_ref": reference} if placement["directive"] else {}
             generate(fleet, key, session, tokens, 1, **waits)
             cached.append(first_token_at(session) - started)

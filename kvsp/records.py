@@ -1541,7 +1541,7 @@ class DirectiveState(Record):
 class BlockBatchRequest(msgspec.Struct, frozen=True):
     """POST {holder}blocks/{compat}/{scope}: the blocks of one compat and scope that a client
     retrieves in one request, in the order it wants them (an extension of 6.7; each block comes
-    back as the part a GET of its resource would answer, README "Blocks in batches"). Keys are
+    back as the part a GET of its resource would answer, docs/api.md "Blocks in batches"). Keys are
     unique; a holder bounds how many one request may name."""
 
     NAME: ClassVar[str] = "block batch request"

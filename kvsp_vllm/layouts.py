@@ -110,7 +110,7 @@ class CpuLayout(PagedLayout):
 
 
 class FlashAttentionLayout(PagedLayout):
-    """vLLM's FlashAttention backend on CUDA (untested on a GPU here: see README)."""
+    """vLLM's FlashAttention backend on CUDA (untested on a GPU here: see docs/vllm.md)."""
 
     name = "FLASH_ATTN"
 

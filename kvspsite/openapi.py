@@ -504,7 +504,7 @@ SCHEMAS.update(
         ),
         # One part per block asked for, in order: the container (Content-Type
         # application/kvsp-block, Content-Length, Repr-Digest) or the block's problem details;
-        # each part names its block resource in Content-Location (README "Blocks in batches").
+        # each part names its block resource in Content-Location (docs/api.md "Blocks in batches").
         "BlockBatch": _BINARY,
         "LeaseRequest": _object(
             {

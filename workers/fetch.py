@@ -44,7 +44,7 @@ from workers.links import Transfer
 # so that any client can fetch and verify blocks with it.
 KVSP_BLOCK = MEDIA_TYPE
 
-# What a holder answers a batch of blocks with (README "Blocks in batches").
+# What a holder answers a batch of blocks with (docs/api.md "Blocks in batches").
 BATCH_MEDIA_TYPE = "multipart/mixed"
 
 # Octets read from the socket at a time: a layer's digest is checked as soon as it is in.
@@ -494,7 +494,7 @@ def fetch_blocks(
     deadline: float | None = None,
 ) -> Iterator[tuple[ReplicaRecord, FetchedBlock | ProtocolError]]:
     """Retrieve the blocks ``expected`` lists (one compat and scope, at ``holder``) in one
-    request (README "Blocks in batches"), each verified exactly as ``fetch_block`` verifies a
+    request (docs/api.md "Blocks in batches"), each verified exactly as ``fetch_block`` verifies a
     block: as each block's part completes, (its record, the verified block or the
     ProtocolError it is refused with: a SourceMiss for a miss). Raises BatchRefused when the
     holder answers otherwise than with the batch, ProtocolError when the answer breaks off or

@@ -16,7 +16,7 @@ verifying its octets:
 - one lease per source for all the blocks that list it first, taken by the first fetcher that
   needs it (a slow source holds up only its own blocks); a source that refuses it (it lacks one
   of them, or its quota is short) is leased block by block;
-- the blocks that list the same source first go to it in batches (README "Blocks in batches":
+- the blocks that list the same source first go to it in batches (docs/api.md "Blocks in batches":
   one request answers up to ``BATCH_GET_BLOCKS`` blocks, or ``BATCH_GET_OCTETS``, each part
   verified as its own GET would be), as many batches as there are fetchers at least; a source
   that answers no batch is asked block by block, with one GET each, from then on;

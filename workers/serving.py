@@ -218,7 +218,7 @@ def block_response(sent: Representation):
     return response
 
 
-# --- Blocks in batches (README "Blocks in batches") -------------------------------------------
+# --- Blocks in batches (docs/api.md "Blocks in batches") --------------------------------------
 
 BATCH_MEDIA_TYPE = "multipart/mixed"
 # The octets a batch's body is sent in at least, a few small blocks at a time.

@@ -422,7 +422,7 @@ def test_a_revoked_token_stops_reading_and_leasing_blocks(cluster, role_env):
         assert problem(refused) == "kvsp-unauthenticated"
 
 
-# --- Blocks in batches (README "Blocks in batches") -------------------------------------------
+# --- Blocks in batches (docs/api.md "Blocks in batches") --------------------------------------
 
 
 def batch_parts(response) -> list[tuple[dict, bytes]]:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.django_db
 LOGPROB_TOLERANCE = 1e-5
 # Between engines: the reference engine (transformers, eager attention) and vLLM's CPU kernels
 # compute the same float32 arithmetic in other orders; measured here: K and V within 4.8e-7,
-# logprobs within 4.8e-7 (README, "vLLM").
+# logprobs within 4.8e-7 (docs/vllm.md, "Between engines").
 CROSS_TOLERANCE = 1e-5
 BLOCK_GETS = (
     "kvsp_http_requests_total",

@@ -154,7 +154,7 @@ class BlockView(APIView):
 class BlockBatchView(APIView):
     """POST blocks/{compat}/{scope}: several blocks of one compat and scope in one answer, a
     ``multipart/mixed`` body of one part per block, each what a GET of the block would answer
-    (an extension of 6.7 for loaders; README "Blocks in batches")."""
+    (an extension of 6.7 for loaders; docs/api.md "Blocks in batches")."""
 
     authentication_classes = [HolderAuthentication]
 
