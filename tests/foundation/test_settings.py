@@ -3,6 +3,7 @@
 import base64
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -182,3 +183,21 @@ def test_a_node_runs_only_the_middleware_an_api_needs_and_passes_its_checks(tmp_
     assert middleware_of(tmp_path, **NODE_SETTINGS) == API_MIDDLEWARE
     checked = manage_check(tmp_path, **NODE_SETTINGS)
     assert checked.returncode == 0, checked.stderr
+
+
+def test_every_variable_the_code_reads_is_documented():
+    """An operator configures a process from docs/configuration.md alone: a variable the
+    settings (or the servers' configuration) read and the page does not name is a setting no
+    one can find."""
+    sources = [ROOT / "kvspsite" / "settings.py", ROOT / "gunicorn.conf.py"]
+    read = set()
+    for source in sources:
+        read |= set(
+            re.findall(
+                r"\"((?:KVSP|DJANGO|DATABASE|CELERY|PROMETHEUS)_[A-Z0-9_]+)\"", source.read_text()
+            )
+        )
+    read.discard("DJANGO_SETTINGS_MODULE")
+    documented = (ROOT / "docs" / "configuration.md").read_text()
+    assert len(read) > 50
+    assert sorted(name for name in read if f"`{name}`" not in documented) == []
