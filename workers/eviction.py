@@ -14,17 +14,22 @@ made under the same rule. When no block the rule allows makes room, the store is
 (``kvsp-unavailable``) and nothing changes. A quota is what a scope keeps against others, not a
 cap: free room goes to whoever stores first.
 
-An evicted replica is withdrawn inside the node's lock, before its row is deleted (6.1); a leased
-one is evicted only after a fault, its record withdrawn first (6.6).
+The decision is ``plan_room``'s, a function of plain values (the tiers' capacities and use,
+their blocks in LRU order, what each scope holds, which blocks are protected) that reads no
+database; ``plan_room_on_node`` gathers those values from the node's rows and the placement
+(``workers.admission``) carries the plan out. An evicted replica is withdrawn inside the node's
+lock, before its row is deleted (6.1); a leased one is evicted only after a fault, its record
+withdrawn first (6.6).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Generic, NamedTuple, TypeVar
 
 from django.conf import settings
 from django.db import transaction
@@ -82,14 +87,57 @@ def demote(block: StoredBlock) -> None:
     publish_on_commit(block)
 
 
+class Resident(NamedTuple):
+    """A block in a tier as the planner weighs it: the row it stands for, its scope, its size."""
+
+    pk: int
+    scope_id: bytes
+    size: int
+
+
+class TierOccupancy(NamedTuple):
+    """A storage tier as the planner sees it: its capacity and use in octets, and its blocks,
+    least recently used first (None while they have not been read)."""
+
+    capacity: int
+    used: int
+    lru: tuple[Resident, ...] | None = None
+
+
+class Occupancy(NamedTuple):
+    """Everything a plan weighs. ``held_by_scope`` (the octets of each scope's blocks on the
+    node, both tiers and pending blocks included) and ``protected`` (the blocks a lease or a
+    reshard move keeps) matter only when disk must evict, and are read with its blocks.
+    ``scope_quota`` is ``KVSP_SCOPE_QUOTA_OCTETS``: 0 makes it an equal share."""
+
+    host: TierOccupancy
+    disk: TierOccupancy
+    scope_quota: int
+    held_by_scope: Mapping[bytes, int] | None = None
+    protected: frozenset[int] | None = None
+
+
+class BlocksNotRead(Exception):
+    """The plan depends on the blocks of ``tier`` (for disk, also on what each scope holds and
+    which blocks are protected), which the occupancy it was given has not read: read them and
+    plan again."""
+
+    def __init__(self, tier: str):
+        super().__init__(tier)
+        self.tier = tier
+
+
+Block = TypeVar("Block")
+
+
 @dataclass
-class RoomPlan:
+class RoomPlan(Generic[Block]):
     """Where a new block goes and what makes room for it, decided before anything is done, so
     that a block that does not fit changes nothing."""
 
     tier: str
-    demote: list[StoredBlock]
-    evict: list[StoredBlock]
+    demote: list[Block]
+    evict: list[Block]
 
 
 @dataclass
@@ -103,49 +151,45 @@ class ScopeShares:
     quota: int
 
     @classmethod
-    def of(cls, storing: bytes, held: dict[bytes, int]) -> ScopeShares:
-        quota = settings.KVSP_SCOPE_QUOTA_OCTETS
+    def of(cls, storing: bytes, occupancy: Occupancy) -> ScopeShares:
+        held = occupancy.held_by_scope
+        quota = occupancy.scope_quota
         if not quota:
-            capacity = tiers.capacity(tiers.HOST) + tiers.capacity(tiers.DISK)
+            capacity = occupancy.host.capacity + occupancy.disk.capacity
             quota = capacity // len(held.keys() | {storing})
         return cls(storing, dict(held), quota)
 
-    def may_evict(self, block: StoredBlock) -> bool:
+    def may_evict(self, block: Resident) -> bool:
         """The storing scope's own blocks, and another scope's while it keeps its quota."""
-        owner = bytes(block.scope_id)
-        return owner == self.storing or self.held.get(owner, 0) - block.size >= self.quota
+        return block.scope_id == self.storing or (
+            self.held.get(block.scope_id, 0) - block.size >= self.quota
+        )
 
-    def evicted(self, block: StoredBlock) -> None:
-        owner = bytes(block.scope_id)
-        self.held[owner] = self.held.get(owner, 0) - block.size
+    def evicted(self, block: Resident) -> None:
+        self.held[block.scope_id] = self.held.get(block.scope_id, 0) - block.size
 
 
-class _Disk:
-    """The disk tier as a plan sees it: its use, and the blocks a store may evict from it in
-    LRU order (unleased, not pending, and allowed by ``ScopeShares``)."""
+class _DiskRoom:
+    """The disk tier as one plan uses it: its use, and the blocks the plan evicts from it, in
+    LRU order, among those no lease or reshard move keeps and ``ScopeShares`` allows."""
 
-    def __init__(self, name: str, now: datetime, shares_of: Callable[[], ScopeShares]):
-        self.cap = tiers.capacity(tiers.DISK)
-        self.used = selectors.used_octets(name, tiers.DISK)
-        self._name, self._now, self._shares_of = name, now, shares_of
+    def __init__(self, occupancy: Occupancy, storing: bytes):
+        self.cap, self.used = occupancy.disk.capacity, occupancy.disk.used
+        self._occupancy, self._storing = occupancy, storing
         self._shares: ScopeShares | None = None
-        self._victims: list[StoredBlock] | None = None
+        self._victims: list[Resident] | None = None
         self._next = 0
-        self.evict: list[StoredBlock] = []
+        self.evict: list[Resident] = []
 
     def make_room(self, needed: int) -> bool:
         if self.used + needed <= self.cap:
             return True
         if self._victims is None:
-            protected = _protected_block_ids(self._name, self._now)
-            self._shares = self._shares_of()
-            self._victims = [
-                block
-                for block in StoredBlock.objects.filter(
-                    instance=self._name, tier=tiers.DISK
-                ).order_by("last_access", "pk")
-                if block.pk not in protected
-            ]
+            occupancy = self._occupancy
+            if None in (occupancy.disk.lru, occupancy.held_by_scope, occupancy.protected):
+                raise BlocksNotRead(tiers.DISK)
+            self._shares = ScopeShares.of(self._storing, occupancy)
+            self._victims = [b for b in occupancy.disk.lru if b.pk not in occupancy.protected]
         # One pass suffices: evicting only ever lowers what a scope holds, so a block the rule
         # passes over stays out of reach for the rest of the plan.
         while self.used + needed > self.cap and self._next < len(self._victims):
@@ -159,50 +203,85 @@ class _Disk:
         return self.used + needed <= self.cap
 
 
-def plan_room_on_node(name: str, scope_id: bytes, size: int, now: datetime) -> RoomPlan:
+def plan_room(occupancy: Occupancy, scope_id: bytes, size: int) -> RoomPlan[Resident]:
     """The tier for a new block of scope ``scope_id`` and ``size`` octets, and how to make room
-    there.
+    there; ``kvsp-unavailable`` when no room can be made.
 
     The host tier first: its least recently used blocks move to disk (a move is not an
     eviction, so leased blocks, and any scope's, may move), and disk makes room by evicting its
     least recently used blocks that ``ScopeShares`` allows and no lease or reshard move keeps.
-    A block too large for the host tier goes to disk directly.
+    A block too large for the host tier, or one the host tier cannot make room for, goes to
+    disk directly. Raises ``BlocksNotRead`` when the plan depends on blocks ``occupancy`` lacks.
     """
-    held: dict[bytes, int] | None = None
-
-    def shares() -> ScopeShares:
-        # One query per store however many plans ask: what every scope holds on the node.
-        nonlocal held
-        if held is None:
-            held = selectors.octets_by_scope(name)
-        return ScopeShares.of(scope_id, held)
-
-    host_cap = tiers.capacity(tiers.HOST)
-    if size <= host_cap:
-        used = selectors.used_octets(name, tiers.HOST)
-        disk = _Disk(name, now, shares)
+    host = occupancy.host
+    if size <= host.capacity:
+        used = host.used
+        disk = _DiskRoom(occupancy, scope_id)
         demote = []
-        if used + size > host_cap:
-            candidates = StoredBlock.objects.filter(instance=name, tier=tiers.HOST).order_by(
-                "last_access", "pk"
-            )
-            for candidate in candidates:
+        if used + size > host.capacity:
+            if host.lru is None:
+                raise BlocksNotRead(tiers.HOST)
+            for candidate in host.lru:
                 if not disk.make_room(candidate.size):
                     break
                 demote.append(candidate)
                 disk.used += candidate.size
                 used -= candidate.size
-                if used + size <= host_cap:
+                if used + size <= host.capacity:
                     break
-        if used + size <= host_cap:
+        if used + size <= host.capacity:
             return RoomPlan(tiers.HOST, demote, disk.evict)
-    disk = _Disk(name, now, shares)
+    disk = _DiskRoom(occupancy, scope_id)
     if size <= disk.cap and disk.make_room(size):
         return RoomPlan(tiers.DISK, [], disk.evict)
     raise ProtocolError(
         "kvsp-unavailable",
         f"no room for a block of {size} octets: the blocks in the way are leased, pending, or "
         "other scopes' within their quota, or the tiers are too small",
+    )
+
+
+def plan_room_on_node(name: str, scope_id: bytes, size: int, now: datetime) -> RoomPlan:
+    """``plan_room`` for a new block on node ``name``, of its rows as they stand (the caller
+    holds the node's lock): the plan's blocks are ``StoredBlock`` rows.
+
+    Most stores fit as the tiers are, so the tiers' use is read first, and a tier's blocks only
+    when the plan asks for them (``BlocksNotRead``): the host tier's, then the disk's with what
+    each scope holds (one query however many blocks) and which blocks are protected.
+    """
+    occupancy = Occupancy(
+        host=TierOccupancy(tiers.capacity(tiers.HOST), selectors.used_octets(name, tiers.HOST)),
+        disk=TierOccupancy(tiers.capacity(tiers.DISK), selectors.used_octets(name, tiers.DISK)),
+        scope_quota=settings.KVSP_SCOPE_QUOTA_OCTETS,
+    )
+    rows: dict[int, StoredBlock] = {}
+    while True:
+        try:
+            plan = plan_room(occupancy, scope_id, size)
+        except BlocksNotRead as unread:
+            occupancy = _read_tier(name, unread.tier, now, occupancy, rows)
+            continue
+        return RoomPlan(
+            plan.tier, [rows[b.pk] for b in plan.demote], [rows[b.pk] for b in plan.evict]
+        )
+
+
+def _read_tier(
+    name: str, tier: str, now: datetime, occupancy: Occupancy, rows: dict[int, StoredBlock]
+) -> Occupancy:
+    """``occupancy`` with the blocks of ``tier`` read (their rows added to ``rows``), and for
+    disk what each scope holds and which blocks are protected."""
+    blocks = list(
+        StoredBlock.objects.filter(instance=name, tier=tier).order_by("last_access", "pk")
+    )
+    rows.update((block.pk, block) for block in blocks)
+    lru = tuple(Resident(block.pk, bytes(block.scope_id), block.size) for block in blocks)
+    if tier == tiers.HOST:
+        return occupancy._replace(host=occupancy.host._replace(lru=lru))
+    return occupancy._replace(
+        disk=occupancy.disk._replace(lru=lru),
+        held_by_scope=selectors.octets_by_scope(name),
+        protected=frozenset(_protected_block_ids(name, now)),
     )
 
 
