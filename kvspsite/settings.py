@@ -310,7 +310,7 @@ KVSP_TOKEN = env.str("KVSP_TOKEN", default="")
 KVSP_TIER_DEVICE_OCTETS = _int_setting("KVSP_TIER_DEVICE_OCTETS", 1024**3)
 KVSP_TIER_HOST_OCTETS = _int_setting("KVSP_TIER_HOST_OCTETS", 4 * 1024**3)
 KVSP_TIER_DISK_OCTETS = _int_setting("KVSP_TIER_DISK_OCTETS", 16 * 1024**3)
-# What each scope keeps on the node against another scope's stores (workers.services); 0 makes
+# What each scope keeps on the node against another scope's stores (workers.eviction); 0 makes
 # it an equal share of host and disk among the scopes holding blocks there.
 KVSP_SCOPE_QUOTA_OCTETS = _int_setting("KVSP_SCOPE_QUOTA_OCTETS", 0)
 KVSP_DISK_DIR = Path(env.str("KVSP_DISK_DIR", default=str(VAR_DIR / "disk")))

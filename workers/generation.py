@@ -62,7 +62,7 @@ from kvsp.problems import ProtocolError
 from kvsp.records import Sampler, SessionCheckpoint
 from kvsp.timeline import StepTimer
 from kvspsite.peers import PeerUnreachable
-from workers import control, fetch, notices, services
+from workers import admission, control, fetch, notices, replicas
 from workers import prefetch as prefetching
 from workers import sessions as served
 from workers.models import Directive, DirectiveState, ServedSession, SessionKind, StoredBlock
@@ -814,7 +814,7 @@ class BlockWriter:
             self._named_ready.set()
             return
         exported = [self.run.export(index, key) for index, key in blocks]
-        stored = services.do_store_exported(exported, self.run.engine.block_tokens)
+        stored = admission.do_store_exported(exported, self.run.engine.block_tokens)
         self.stored += len(stored)
         self._put(("prompt", stored, exported))
 
@@ -875,7 +875,7 @@ class BlockWriter:
 def store_blocks(blocks: list[tuple], token_count: int) -> int:
     """Store exported blocks in the tier store, then publish the records of those newly stored
     and copy every one to the session holders. Returns how many were newly stored."""
-    stored = services.do_store_exported(blocks, token_count)
+    stored = admission.do_store_exported(blocks, token_count)
     publish_and_copy(stored, blocks)
     return len(stored)
 
@@ -884,7 +884,7 @@ def publish_and_copy(stored: list[int], blocks: list[tuple]) -> bool:
     """Publish the records of the rows ``stored`` (in batches) and copy every block to the
     session holders, PUBLISH_PARALLEL at a time. True when every block exists elsewhere now: at a
     session holder (and, when newly stored, in the index)."""
-    jobs = [lambda: services.publish_all(stored) == len(stored)] if stored else []
+    jobs = [lambda: replicas.publish_all(stored) == len(stored)] if stored else []
     jobs += [partial(copy_to_session_holders, ids, encoded) for ids, encoded in blocks]
     return all(_run_all(jobs))
 

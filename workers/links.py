@@ -66,9 +66,7 @@ class LinkMeter:
 
     def record(self, instance: str) -> None:
         """Fold the figures into the instance's measured links (its status reports list them)."""
-        from workers import services
+        from workers.instance import do_record_link
 
         for holder, figures in self.figures().items():
-            services.do_record_link(
-                instance, holder, rtt_us=figures.rtt_us, mbit_per_s=figures.mbit_per_s
-            )
+            do_record_link(instance, holder, rtt_us=figures.rtt_us, mbit_per_s=figures.mbit_per_s)

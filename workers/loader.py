@@ -53,7 +53,7 @@ from django.db import connections
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseRequest, ReplicaRecord
 from kvspsite.peers import PeerUnreachable, peer_client
-from workers import control, fetch, services, tiers
+from workers import admission, control, fetch, replicas, tiers
 from workers.links import LinkMeter
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class _Refused(Exception):
 @dataclass
 class _Arrival:
     wanted: Wanted
-    block: services.LoadedBlock
+    block: admission.LoadedBlock
 
 
 _DONE = object()  # a fetcher's last word on the queue
@@ -141,7 +141,7 @@ class _Publisher(threading.Thread):
                         pks += more
                 if pks:
                     try:
-                        services.publish_all(pks)
+                        replicas.publish_all(pks)
                     except Exception:  # noqa: BLE001 - the keeper publishes them later
                         log.exception("publishing %d admitted blocks failed", len(pks))
         finally:
@@ -312,7 +312,7 @@ class Loader:
             if self.decided:
                 return
             try:
-                stored = services.do_admit_loaded(
+                stored = admission.do_admit_loaded(
                     [arrival.block for arrival in batch], self.pending_move_id
                 )
             except ProtocolError as exc:
@@ -404,7 +404,7 @@ class Loader:
         try:
             for item, outcome in outcomes:
                 del left[item.block_key]
-                if isinstance(outcome, services.LoadedBlock):
+                if isinstance(outcome, admission.LoadedBlock):
                     self._arrivals.put(_Arrival(item, outcome))
                 else:
                     source, reason = outcome
@@ -560,7 +560,7 @@ class Loader:
                     self._leases[source] = None
             return self._leases[source]
 
-    def _load_from(self, client, block_key: str, source: str) -> services.LoadedBlock:
+    def _load_from(self, client, block_key: str, source: str) -> admission.LoadedBlock:
         """Fetch and verify the block at one source and spool it; _Refused says why not."""
         if source == settings.KVSP_PUBLIC_URL:
             raise _Refused("this instance itself")
@@ -615,10 +615,10 @@ class Loader:
                 self.check(fetched)
             install = None
             if self.pending_move_id is None:
-                install = services.prepare_device_copy(ids, fetched.container, self.device_tier)
+                install = admission.prepare_device_copy(ids, fetched.container, self.device_tier)
         except ProtocolError as exc:
             raise _Refused(self._refusal(block_key, source, exc)) from exc
-        fields = services.BlockFields(
+        fields = admission.BlockFields(
             codec=fetched.container.codec,
             size=fetched.size,
             token_count=fetched.container.token_count,
@@ -628,4 +628,4 @@ class Loader:
         )
         spool = tiers.write_spool(self.instance, [fetched.buffer])
         self.links.add(source, fetched.transfer)
-        return services.LoadedBlock(ids, spool, fields, install)
+        return admission.LoadedBlock(ids, spool, fields, install)

@@ -1,7 +1,8 @@
-"""Carrying out a prefetch directive (spec 6.5) on the instance's worker: the blocks the
-instance does not hold, in prefix order, through the node's one loader (``workers.loader``:
-a lease per source, GETs in flight together, every digest verified, admission and publication
-in batches). The blocks of a resumed session are loaded the same way.
+"""Prefetch directives (spec 6.5): accepting one (a row, then a task on the instance's queue;
+the same directive sent again is the same row), and carrying it out on the instance's worker:
+the blocks the instance does not hold, in prefix order, through the node's one loader
+(``workers.loader``: a lease per source, GETs in flight together, every digest verified,
+admission and publication in batches). The blocks of a resumed session are loaded the same way.
 
 The worker runs its pool of threads, so a directive never holds up the instance's other work,
 and block GETs are served by the HTTP process meanwhile. The directive's progress (the keys
@@ -14,18 +15,56 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
+from datetime import timedelta
 
 from django.db import transaction
 from django.utils import timezone
 
+from kvsp.problems import ProtocolError
 from kvsp.records import PrefetchDirective
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
-from kvspsite.celery import RETRYABLE
+from kvspsite.celery import RETRYABLE, instance_queue
 from workers import loader, notices, selectors
+from workers.instance import lock_node
 from workers.models import Directive, DirectiveState, Node, NodeState
 from workers.tiers import DeviceTier
 
 log = logging.getLogger(__name__)
+
+
+def do_accept_directive(directive: PrefetchDirective) -> Directive:
+    """Record a directive and queue it for the instance's worker; the same directive sent
+    again is the same row, another body under its id a conflict."""
+    from workers.tasks import prefetch
+
+    name = selectors.node_name()
+    body = directive.to_json()
+    directive_id = uuid.UUID(directive.directive)
+    with transaction.atomic():
+        # Under the node's lock, the same directive sent twice at once (a task and the
+        # controller's resend) is one row, never a tripped constraint.
+        lock_node(name)
+        existing = Directive.objects.filter(instance=name, directive=directive_id).first()
+        if existing is not None:
+            if existing.body != body:
+                raise ProtocolError(
+                    "kvsp-conflict", f"directive {directive.directive} exists with another body"
+                )
+            return existing
+        now = timezone.now()
+        row = Directive.objects.create(
+            instance=name,
+            directive=directive_id,
+            request_ref=directive.request_ref or "",
+            compat_id=bytes.fromhex(directive.compat_id),
+            scope_id=bytes.fromhex(directive.scope_id),
+            body=body,
+            received_at=now,
+            deadline_at=now + timedelta(milliseconds=directive.deadline_ms),
+        )
+        prefetch.apply_async_on_commit(args=[row.pk], queue=instance_queue(name))
+    return row
 
 
 class DirectiveRun:

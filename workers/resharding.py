@@ -71,7 +71,7 @@ from kvsp.records import (
     TokenRange,
 )
 from kvspsite.celery import enqueue, instance_queue
-from workers import fetch, loader, notices, services
+from workers import admission, fetch, loader, notices, reshard_moves
 from workers.models import MovePhase, ReshardMove, StoredBlock
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,8 @@ class PlanBlocks:
         }
 
 
-def _move_blocks(plan: ReshardPlan, blocks: PlanBlocks) -> services.MoveBlocks:
-    return services.MoveBlocks(
+def _move_blocks(plan: ReshardPlan, blocks: PlanBlocks) -> reshard_moves.MoveBlocks:
+    return reshard_moves.MoveBlocks(
         compat_id=bytes.fromhex(blocks.compat_id),
         scope_id=bytes.fromhex(blocks.scope_id),
         fetch=blocks.keys(fetch.tokens for fetch in plan.fetch),
@@ -219,7 +219,7 @@ def do_prepare(plan: ReshardPlan, body: dict) -> ReshardMove:
     document = plan.to_json()
     if blocks is not None:
         document.update(blocks.to_json())
-    move, load = services.do_receive_plan(
+    move, load = reshard_moves.do_receive_plan(
         plan.map,
         plan.from_version,
         plan.to_version,
@@ -268,8 +268,8 @@ def _wait_loaded(move: ReshardMove, deadline_ms: int) -> ReshardMove:
 def do_decide(decision: ReshardCommit | ReshardAbort, body: dict) -> ReshardMove:
     """A commit or an abort (6.9); ``body`` is the decision as received."""
     if isinstance(decision, ReshardCommit):
-        return services.do_commit_move(decision.map, decision.commit, attempt_of(body))
-    return services.do_abort_move(decision.map, decision.abort, attempt_of(body))
+        return reshard_moves.do_commit_move(decision.map, decision.commit, attempt_of(body))
+    return reshard_moves.do_abort_move(decision.map, decision.abort, attempt_of(body))
 
 
 def attempt_of(body: dict) -> int | None:
@@ -321,7 +321,7 @@ def load(move_pk: int) -> str:
         except Exception:
             log.exception("reshard %s: loading failed", move)
             error = "the instance failed while loading"
-        services.do_finish_loading(move_pk, error or "")
+        reshard_moves.do_finish_loading(move_pk, error or "")
         return error or "loaded"
 
 
@@ -401,4 +401,4 @@ class MoveLoad:
                 f"{fetched.container.token_count} tokens, the plan's blocks hold "
                 f"{self.blocks.block_tokens}",
             )
-        services.check_container(fetched.container, self.compat_id)
+        admission.check_container(fetched.container, self.compat_id)

@@ -34,7 +34,7 @@ from django.db import close_old_connections
 
 from kvspsite.celery import instance_queue
 from kvspsite.peers import tls_context
-from workers import services, tiers
+from workers import admission, eviction, instance, replicas, tiers
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class NodeRuntime:
                 )
                 if settings.KVSP_ENGINE_WARM_UP:
                     self._warm_up(engine)
-                services.do_note_engine(
+                instance.do_note_engine(
                     self.name,
                     {
                         "compat_id": engine.compat_id,
@@ -213,15 +213,15 @@ class NodeRuntime:
     def start(self) -> None:
         from workers.status import Keeper, StatusReporter
 
-        services.ensure_node(self.name)
+        instance.ensure_node(self.name)
         # The HTTP process admits sessions only once this worker's engine says what it serves.
-        services.do_note_engine(self.name, None)
-        services.do_reset_device_residency(self.name)
+        instance.do_note_engine(self.name, None)
+        admission.do_reset_device_residency(self.name)
         self.begin_incarnation()
-        interrupted = services.do_fail_interrupted_sessions(self.name, self.epoch)
+        interrupted = instance.do_fail_interrupted_sessions(self.name, self.epoch)
         if interrupted:
             log.warning("node %s: %d sessions were cut short by a restart", self.name, interrupted)
-        checked = services.do_check_tier_store(self.name)
+        checked = eviction.do_check_tier_store(self.name)
         if checked["lost"]:
             log.error("node %s: lost blocks withdrawn: %s", self.name, checked["lost"])
         close_old_connections()
@@ -247,8 +247,8 @@ class NodeRuntime:
         (records may have expired meanwhile). Sessions still running from before a pause are
         the PC's to have resumed elsewhere under higher session epochs: their next message is
         refused as stale and they stop (superseded), sending nothing more."""
-        self.epoch = services.do_begin_incarnation(self.name)
-        services.do_republish_all(self.name)
+        self.epoch = instance.do_begin_incarnation(self.name)
+        replicas.do_republish_all(self.name)
         return self.epoch
 
     def _import_torch(self) -> None:

@@ -330,7 +330,7 @@ def used_octets(name: str, tier: str) -> int:
 
 def octets_by_scope(name: str) -> dict[bytes, int]:
     """The octets each scope's blocks take on the node, both tiers and pending blocks included,
-    in one query: what the fairness rule of eviction weighs (``workers.services``)."""
+    in one query: what the fairness rule of eviction weighs (``workers.eviction``)."""
     rows = (
         StoredBlock.objects.filter(instance=name)
         .values("scope_id")
@@ -345,6 +345,16 @@ def leased_octets(name: str, principal_id: int, now: datetime) -> int:
         instance=name, principal_id=principal_id, expires_at__gt=now
     ).aggregate(total=Sum("octets"))
     return total["total"] or 0
+
+
+def leased_block_ids(name: str, now: datetime) -> set[int]:
+    """The node's blocks an unexpired lease covers (6.6): never evicted for room, nor released
+    by a reshard move, while it runs."""
+    return set(
+        StoredBlock.objects.filter(instance=name, leases__expires_at__gt=now).values_list(
+            "pk", flat=True
+        )
+    )
 
 
 def kv_utilization(name: str) -> float:

@@ -32,7 +32,7 @@ from kvsp.records import UINT16_MAX, UINT32_MAX
 from kvsp.reprdigest import repr_digest_header
 from kvspsite.api import KVSP_BLOCK, problem_answer
 from kvspsite.metrics import BLOCKS_SENT
-from workers import selectors, services, tiers
+from workers import eviction, selectors, tiers
 from workers.models import StoredBlock
 
 # Octets read from the serving copy at a time when it is sent in pieces.
@@ -148,7 +148,7 @@ def _open(block: StoredBlock):
             if fresh is None:
                 return None, None
             if fresh.tier == block.tier:
-                if services.do_evict_after_fault(fresh, "its serving copy is missing"):
+                if eviction.do_evict_after_fault(fresh, "its serving copy is missing"):
                     return None, None
                 fresh = StoredBlock.objects.filter(pk=block.pk).first()
                 if fresh is None:

@@ -48,7 +48,7 @@ from kvsp.records import (
 )
 from kvsp.states import TransitionTable
 from kvspsite.celery import instance_queue
-from workers import selectors, services
+from workers import instance, selectors
 from workers.models import (
     Directive,
     Node,
@@ -302,7 +302,7 @@ class ResumeRequest:
 
 
 def _locked_node(name: str) -> Node:
-    services.ensure_node(name)
+    instance.ensure_node(name)
     return Node.objects.select_for_update().get(name=name)
 
 

@@ -17,7 +17,7 @@ from kvsp.problems import ProtocolError
 from kvsp.records import InstanceStatusRecord
 from kvspsite.celery import instance_queue
 from kvspsite.peers import PeerUnreachable
-from workers import control, selectors, services
+from workers import admission, control, instance, leases, replicas, reshard_moves, selectors
 from workers.models import NodeState
 
 log = logging.getLogger(__name__)
@@ -135,14 +135,14 @@ class StatusReporter(_Loop):
         queued = runtime.load.waiting
         if runtime.app is not None:
             queued += broker_queue_length(runtime.app, instance_queue(runtime.name))
-        node = services.ensure_node(runtime.name)
+        node = instance.ensure_node(runtime.name)
         if node.state == NodeState.DRAINING and not running + queued:
-            self.writes.submit(services.do_enter_sleep_if_drained, runtime.name, 0)
+            self.writes.submit(instance.do_enter_sleep_if_drained, runtime.name, 0)
         record = status_record(runtime, node.state, running, queued)
         try:
             state = control.report_status(runtime.name, record)
         except ProtocolError as exc:
-            self.writes.submit(services.do_note_report, runtime.name, exc.detail)
+            self.writes.submit(instance.do_note_report, runtime.name, exc.detail)
             if exc.problem == "kvsp-stale-epoch":
                 # The PC has written this incarnation off (its record expired, or it saw a
                 # later one): rejoin as a new incarnation.
@@ -152,12 +152,12 @@ class StatusReporter(_Loop):
                 log.warning("node %s: status report refused: %s", runtime.name, exc.detail)
             return
         except PeerUnreachable as exc:
-            self.writes.submit(services.do_note_report, runtime.name, str(exc))
+            self.writes.submit(instance.do_note_report, runtime.name, str(exc))
             log.warning("node %s: status report failed: %s", runtime.name, exc)
             return
         if state != node.state:
-            self.writes.submit(services.do_apply_pc_state, runtime.name, state)
-        self.writes.submit(services.do_note_report, runtime.name)
+            self.writes.submit(instance.do_apply_pc_state, runtime.name, state)
+        self.writes.submit(instance.do_note_report, runtime.name)
 
 
 class Keeper(_Loop):
@@ -172,9 +172,9 @@ class Keeper(_Loop):
 
     def once(self) -> None:
         name = self.runtime.name
-        services.do_refresh_replicas(name)
-        services.do_retry_withdrawals(name)
-        services.do_delete_expired_leases(name)
-        services.do_release_owed(name)
+        replicas.do_refresh_replicas(name)
+        replicas.do_retry_withdrawals(name)
+        leases.do_delete_expired_leases(name)
+        reshard_moves.do_release_owed(name)
         if self.runtime.device_tier is not None:
-            services.do_sync_device_tier(name, self.runtime.device_tier)
+            admission.do_sync_device_tier(name, self.runtime.device_tier)

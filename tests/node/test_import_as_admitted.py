@@ -19,7 +19,7 @@ from django.db import connections
 from django.test import override_settings
 from django.utils import timezone
 
-from workers import notices, services, tiers
+from workers import admission, notices, tiers
 from workers.engines.modeldir import create_reference_model
 from workers.engines.reference import ReferenceEngine
 from workers.generation import PrefixNotLoaded, import_as_admitted, serve_prompt
@@ -61,7 +61,7 @@ def admit(prompt, engine, *indexes: int) -> None:
     """What the loader does with a batch: the blocks admitted in one transaction, then the
     waiters told."""
     blocks = [((COMPAT, SCOPE, KEYS[index]), prompt.exported[index]) for index in indexes]
-    services.do_store_exported(blocks, engine.block_tokens)
+    admission.do_store_exported(blocks, engine.block_tokens)
     notices.notify()
 
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.db import connections
 
-from workers import services
+from workers import instance
 from workers.links import LinkMeter, Transfer, link_figures
 from workers.models import MeasuredLink
 
@@ -22,7 +22,7 @@ def test_loads_measuring_a_new_link_at_once_make_one_row_with_every_sample():
     def measure(_):
         try:
             barrier.wait()
-            services.do_record_link("links-node", "http://h.test/kvsp/", rtt_us=100, mbit_per_s=800)
+            instance.do_record_link("links-node", "http://h.test/kvsp/", rtt_us=100, mbit_per_s=800)
         finally:
             connections.close_all()
 

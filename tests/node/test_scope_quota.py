@@ -27,7 +27,7 @@ from django.utils import timezone
 from kvsp.problems import ProtocolError
 from tests.node.conftest import BLOCK_OCTETS, Node, extra_node, start_all
 from tests.node.support import container, problem, random_key
-from workers import services, tiers
+from workers import eviction, tiers
 from workers.models import StoredBlock
 
 pytestmark = pytest.mark.django_db
@@ -283,15 +283,15 @@ def test_the_plan_spares_a_scope_at_its_share_and_takes_the_storing_scopes_own()
     rows = full_node("rows1", [SCOPE_A, SCOPE_B, SCOPE_A, SCOPE_A], [SCOPE_B, SCOPE_B])
     now = timezone.now()
 
-    plan = services._plan_room("rows1", SCOPE_B, SIZE, now)
+    plan = eviction.plan_room_on_node("rows1", SCOPE_B, SIZE, now)
     assert (plan.tier, plan.demote, plan.evict) == (tiers.HOST, [rows[4]], [rows[1]])
-    plan = services._plan_room("rows1", SCOPE_A, SIZE, now)
+    plan = eviction.plan_room_on_node("rows1", SCOPE_A, SIZE, now)
     assert (plan.tier, plan.demote, plan.evict) == (tiers.HOST, [rows[4]], [rows[0]])
     # A third scope's share is two blocks: it may take one of A's, the least recently used.
-    plan = services._plan_room("rows1", SCOPE_C, SIZE, now)
+    plan = eviction.plan_room_on_node("rows1", SCOPE_C, SIZE, now)
     assert (plan.tier, plan.demote, plan.evict) == (tiers.HOST, [rows[4]], [rows[0]])
     # Too large for the host tier: disk directly, under the same rule.
-    plan = services._plan_room("rows1", SCOPE_A, 3 * SIZE, now)
+    plan = eviction.plan_room_on_node("rows1", SCOPE_A, 3 * SIZE, now)
     assert (plan.tier, plan.demote, plan.evict) == (tiers.DISK, [], [rows[0], rows[2], rows[3]])
 
 
@@ -301,9 +301,9 @@ def test_the_plan_refuses_what_only_other_scopes_within_their_share_could_make_r
     now = timezone.now()
     # A newcomer's share is two blocks: A and B may each lose one, no more.
     with pytest.raises(ProtocolError) as refused:
-        services._plan_room("rows2", SCOPE_C, 3 * SIZE, now)
+        eviction.plan_room_on_node("rows2", SCOPE_C, 3 * SIZE, now)
     assert refused.value.problem_type.name == "kvsp-unavailable"
-    plan = services._plan_room("rows2", SCOPE_C, 2 * SIZE, now)
+    plan = eviction.plan_room_on_node("rows2", SCOPE_C, 2 * SIZE, now)
     assert (plan.tier, plan.evict) == (tiers.HOST, [rows[0], rows[3]])
     assert plan.demote == [rows[4], rows[5]]
     assert StoredBlock.objects.filter(instance="rows2").count() == 6  # a plan changes nothing
@@ -314,8 +314,8 @@ def test_with_a_quota_of_the_whole_node_a_full_scope_keeps_everything():
     rows = full_node("rows3", [SCOPE_A] * 4, [SCOPE_A] * 2)
     now = timezone.now()
     with pytest.raises(ProtocolError):
-        services._plan_room("rows3", SCOPE_B, SIZE, now)
-    plan = services._plan_room("rows3", SCOPE_A, SIZE, now)
+        eviction.plan_room_on_node("rows3", SCOPE_B, SIZE, now)
+    plan = eviction.plan_room_on_node("rows3", SCOPE_A, SIZE, now)
     assert (plan.demote, plan.evict) == ([rows[4]], [rows[0]])
 
 
@@ -329,7 +329,7 @@ def test_pending_blocks_count_toward_their_scope_and_are_never_taken():
         instance="rows4", map="m", to_version=2, received_at=timezone.now()
     )
     StoredBlock.objects.filter(pk__in=[rows[0].pk, rows[4].pk]).update(pending_move=move)
-    plan = services._plan_room("rows4", SCOPE_A, SIZE, timezone.now())
+    plan = eviction.plan_room_on_node("rows4", SCOPE_A, SIZE, timezone.now())
     assert (plan.tier, plan.demote, plan.evict) == (tiers.HOST, [rows[4]], [rows[1]])
 
 
@@ -345,7 +345,7 @@ def test_the_plan_weighs_the_scopes_in_one_query_however_many_blocks():
             ),
             CaptureQueriesContext(connection) as captured,
         ):
-            services._plan_room(instance, SCOPE_C, SIZE, timezone.now())
+            eviction.plan_room_on_node(instance, SCOPE_C, SIZE, timezone.now())
         grouped = [q for q in captured.captured_queries if "GROUP BY" in q["sql"]]
         assert len(grouped) == 1
         return len(captured.captured_queries)

@@ -42,7 +42,17 @@ from kvspsite.api import (
     ReceivedContainer,
 )
 from kvspsite.metrics import BLOCKS_SENT
-from workers import resharding, selectors, services, serving, sessions, tiers
+from workers import (
+    admission,
+    instance,
+    leases,
+    prefetch,
+    resharding,
+    selectors,
+    serving,
+    sessions,
+    tiers,
+)
 from workers.models import Directive
 
 # Accept fields of a block GET that only the container answers.
@@ -109,7 +119,7 @@ class BlockView(APIView):
                 status=status.HTTP_428_PRECONDITION_REQUIRED,
             )
         # Spec 6.7 asks Repr-Digest of what holders return, not of what clients send: a PUT
-        # without one is checked as a container alone (``services.check_container``), so a
+        # without one is checked as a container alone (``admission.check_container``), so a
         # body damaged in transit that still parses is stored as received.
         claimed = request.headers.get("Repr-Digest")
         if claimed is not None:
@@ -139,7 +149,9 @@ class BlockView(APIView):
         try:
             if claimed is not None:
                 verify_repr_digest(claimed, sha256=received.sha256)
-            block = services.do_store_block(ids, received.path, received.container, received.sha256)
+            block = admission.do_store_block(
+                ids, received.path, received.container, received.sha256
+            )
         finally:
             received.release()
             Path(received.path).unlink(missing_ok=True)
@@ -184,7 +196,7 @@ class LeaseListView(APIView):
     authentication_classes = [HolderAuthentication]
 
     def post(self, request):
-        grant = services.do_create_lease(request.user, LeaseRequest.from_json(request.data))
+        grant = leases.do_create_lease(request.user, LeaseRequest.from_json(request.data))
         return Response(
             grant.to_json(),
             status=status.HTTP_201_CREATED,
@@ -198,11 +210,11 @@ class LeaseView(APIView):
     authentication_classes = [HolderAuthentication]
 
     def put(self, request, lease: str):
-        grant = services.do_renew_lease(request.user, lease, LeaseRenewal.from_json(request.data))
+        grant = leases.do_renew_lease(request.user, lease, LeaseRenewal.from_json(request.data))
         return Response(grant.to_json())
 
     def delete(self, request, lease: str):
-        services.do_release_lease(request.user, lease)
+        leases.do_release_lease(request.user, lease)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -211,7 +223,7 @@ class PrefetchView(APIView):
 
     def post(self, request):
         _require_controller(request.user)
-        row = services.do_accept_directive(PrefetchDirective.from_json(request.data))
+        row = prefetch.do_accept_directive(PrefetchDirective.from_json(request.data))
         return Response(
             selectors.directive_state(row).to_json(),
             status=status.HTTP_202_ACCEPTED,
@@ -235,7 +247,7 @@ class StateView(APIView):
 
     def put(self, request):
         _require_controller(request.user)
-        node = services.do_set_state(_object(request.data).get("state"))
+        node = instance.do_set_state(_object(request.data).get("state"))
         return Response({"state": node.state})
 
 
