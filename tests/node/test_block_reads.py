@@ -1,6 +1,7 @@
 """A block GET reads its row and marks the block used (the LRU order of eviction) before it
-answers, in one statement on Postgres: the row as it was, the touch at most once a second, none
-for a scope the reader may not read, and the connection left as it was found."""
+answers, in one statement on Postgres: the row as it was, the touch at most once per
+KVSP_ACCESS_RESOLUTION_MS, none for a scope the reader may not read, and the connection left as
+it was found."""
 
 from __future__ import annotations
 
@@ -85,3 +86,27 @@ def test_a_read_on_a_connection_that_died_since_the_last_request_is_answered(set
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
         assert cursor.fetchone() != (pid,)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_touches_a_block_last_used_longer_ago_than_the_configured_resolution(settings):
+    settings.KVSP_INSTANCE = NODE
+    half_an_hour_ago = timezone.now() - timedelta(minutes=30)
+    row = stored(half_an_hour_ago)
+    reader = principal(IDS[1])
+
+    settings.KVSP_ACCESS_RESOLUTION_MS = 60 * 60 * 1000
+    assert selectors.read_block(reader, *IDS).pk == row.pk
+    assert set(selectors.read_blocks(reader, IDS[0], IDS[1], [IDS[2]])) == {IDS[2]}
+    selectors.touch(StoredBlock.objects.get(pk=row.pk))
+    assert last_access(row) == half_an_hour_ago
+
+    settings.KVSP_ACCESS_RESOLUTION_MS = 10 * 60 * 1000
+    assert selectors.read_block(reader, *IDS).last_access == half_an_hour_ago
+    touched = last_access(row)
+    assert touched > half_an_hour_ago
+
+    # A resolution of nothing: every read marks the block used again.
+    settings.KVSP_ACCESS_RESOLUTION_MS = 0
+    selectors.read_blocks(reader, IDS[0], IDS[1], [IDS[2]])
+    assert last_access(row) > touched
