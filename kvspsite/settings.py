@@ -315,6 +315,9 @@ KVSP_TIER_DISK_OCTETS = _int_setting("KVSP_TIER_DISK_OCTETS", 16 * 1024**3)
 KVSP_SCOPE_QUOTA_OCTETS = _int_setting("KVSP_SCOPE_QUOTA_OCTETS", 0)
 KVSP_DISK_DIR = Path(env.str("KVSP_DISK_DIR", default=str(VAR_DIR / "disk")))
 KVSP_STATUS_TTL_MS = _int_setting("KVSP_STATUS_TTL_MS", 3_000)
+# How stale a block's last access may be before a GET refreshes it (the LRU order of eviction,
+# workers.selectors): the order is kept to this resolution without a write per GET.
+KVSP_ACCESS_RESOLUTION_MS = max(_int_setting("KVSP_ACCESS_RESOLUTION_MS", 1_000), 0)
 # The host tier: shared-memory files the node's HTTP process serves without a copy.
 _SHM = Path("/dev/shm")  # noqa: S108 - the host tier is shared memory by design
 KVSP_SHM_DIR = Path(

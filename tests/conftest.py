@@ -44,6 +44,15 @@ def _fresh_lookup_tally():
     metrics.lookup_tally.take()
 
 
+@pytest.fixture
+def lookup_tally_not_due(monkeypatch):
+    """The lookup tally does not come due during the test: the statements of a request that
+    looks up do not depend on whether a second has passed since the tally last wrote."""
+    from kvspsite import metrics
+
+    monkeypatch.setattr(metrics, "LOOKUP_WRITE_INTERVAL_S", float("inf"))
+
+
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup):
     """pytest-django's test database, whose teardown first closes the directive senders of

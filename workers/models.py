@@ -83,7 +83,8 @@ class StoredBlock(models.Model):
     device_layers = models.PositiveIntegerField(default=0)
     device_octets = models.PositiveBigIntegerField(default=0)
     stored_at = models.DateTimeField()
-    # Least recently used first is the eviction order; GETs refresh it at most once a second.
+    # Least recently used first is the eviction order; GETs refresh it at most once per
+    # KVSP_ACCESS_RESOLUTION_MS (a second by default).
     last_access = models.DateTimeField()
     # When the IS's copy of the Replica Record expires; null while it is not published.
     record_expires_at = models.DateTimeField(null=True, blank=True)

@@ -22,9 +22,11 @@ from workers.models import Directive, Lease, MeasuredLink, StoredBlock
 # A miss and a block of a scope the caller may not read answer the same (DESIGN.md section 6).
 MISS_DETAIL = "this holder has no replica of the block"
 
-# How stale a block's last_access may be before a read refreshes it: LRU to the second, without
-# a write per GET.
-ACCESS_RESOLUTION = timedelta(seconds=1)
+
+def access_resolution() -> timedelta:
+    """How stale a block's last_access may be before a read refreshes it
+    (``KVSP_ACCESS_RESOLUTION_MS``): the LRU order to that resolution, without a write per GET."""
+    return timedelta(milliseconds=settings.KVSP_ACCESS_RESOLUTION_MS)
 
 
 def node_name() -> str:
@@ -187,7 +189,7 @@ def read_block(principal, compat_id: bytes, scope_id: bytes, block_key: bytes):
     now = timezone.now()
     ids = [name, compat_id, scope_id, block_key]
     row = _fetch_one_checking_by_use(
-        _READ_AND_TOUCH_HELD_BLOCK, [now, *ids, now - ACCESS_RESOLUTION, *ids]
+        _READ_AND_TOUCH_HELD_BLOCK, [now, *ids, now - access_resolution(), *ids]
     )
     return None if row is None else StoredBlock.from_db(connection.alias, _FIELDS, row[:-1])
 
@@ -210,13 +212,14 @@ def read_blocks(principal, compat_id: bytes, scope_id: bytes, keys: list[bytes])
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         found = held_blocks(name).filter(compat_id=compat_id, scope_id=scope_id, block_key__in=keys)
         blocks = {bytes(block.block_key): block for block in found}
-        stale = [b.pk for b in blocks.values() if now - b.last_access >= ACCESS_RESOLUTION]
+        resolution = access_resolution()
+        stale = [b.pk for b in blocks.values() if now - b.last_access >= resolution]
         if stale:
             StoredBlock.objects.filter(pk__in=stale).update(last_access=now)
         return blocks
     ids = [name, compat_id, scope_id, list(keys)]
     rows = _fetch_all_checking_by_use(
-        _READ_AND_TOUCH_HELD_BLOCKS, [now, *ids, now - ACCESS_RESOLUTION, *ids]
+        _READ_AND_TOUCH_HELD_BLOCKS, [now, *ids, now - access_resolution(), *ids]
     )
     blocks = (StoredBlock.from_db(connection.alias, _FIELDS, row[:-1]) for row in rows)
     return {bytes(block.block_key): block for block in blocks}
@@ -253,7 +256,7 @@ def touch(block: StoredBlock, now: datetime | None = None) -> None:
     a while: the write does not wait for the WAL to reach the disk, since a touch lost in a
     crash only makes the LRU order a little older."""
     now = now or timezone.now()
-    if now - block.last_access >= ACCESS_RESOLUTION:
+    if now - block.last_access >= access_resolution():
         with transaction.atomic():
             if connection.vendor == "postgresql":
                 with connection.cursor() as cursor:

@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from abc import abstractmethod
+from collections.abc import Callable
 
 from django.conf import settings
 from django.db import close_old_connections
@@ -65,22 +66,26 @@ def status_record(runtime, state: str, running: int, queued: int) -> InstanceSta
 
 
 class _Loop(threading.Thread):
+    """A round of work every ``interval()`` seconds of ``clock`` (the time a round takes
+    counts), until the runtime is stopping."""
+
     interval_s = 1.0
 
-    def __init__(self, runtime, name: str):
+    def __init__(self, runtime, name: str, clock: Callable[[], float] = time.monotonic):
         super().__init__(name=name, daemon=True)
         self.runtime = runtime
+        self.clock = clock
 
     def run(self) -> None:
         while not self.runtime.stopping.is_set():
-            started = time.monotonic()
+            started = self.clock()
             try:
                 self.once()
             except Exception:
                 log.exception("%s failed", self.name)
             finally:
                 close_old_connections()
-            wait = self.interval() - (time.monotonic() - started)
+            wait = self.interval() - (self.clock() - started)
             self.runtime.stopping.wait(max(wait, 0.05))
 
     def interval(self) -> float:
@@ -121,8 +126,8 @@ class StatusReporter(_Loop):
     and shows in the next report. Only a new incarnation is written before the next report,
     since that report must carry its epoch."""
 
-    def __init__(self, runtime):
-        super().__init__(runtime, "kvsp-status")
+    def __init__(self, runtime, clock: Callable[[], float] = time.monotonic):
+        super().__init__(runtime, "kvsp-status", clock)
         self.writes = StatusWrites()
         self.writes.start()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import PYTHON, ROOT
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +145,4 @@ def test_role_processes_die_with_a_launcher_that_is_killed(tmp_path):
     [child] = processes_of(tmp_path)
     launcher.kill()
     launcher.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while processes_of(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_of(tmp_path) == [], f"process {child} outlived its launcher"
+    wait_until(lambda: processes_of(tmp_path) == [], f"end of process {child}", timeout=10)

@@ -1,6 +1,5 @@
 """Concurrent publishes against a real server on Postgres, and expiry housekeeping."""
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -13,6 +12,7 @@ from index.models import Replica
 from index.services import do_delete_expired_replicas, do_publish_replica
 from kvsp.records import ReplicaRecord
 from tests.support.fixtures import HOLDER_A, make_caller, make_scope, random_key, replica_json
+from tests.support.waiting import wait_until
 
 COMPAT = "c2" * 32
 
@@ -64,7 +64,4 @@ def test_housekeeping_task_runs_on_a_worker(role_env, start_process):
     do_publish_replica(publisher, record, now=timezone.now() - timedelta(hours=1))
     start_process("worker", "control-worker", role_env(), queues=["control"])
     delete_expired_replicas.apply_async(queue="control")
-    deadline = timezone.now() + timedelta(seconds=30)
-    while Replica.objects.exists() and timezone.now() < deadline:
-        time.sleep(0.1)
-    assert not Replica.objects.exists()
+    wait_until(lambda: not Replica.objects.exists(), "the expired replica deleted", timeout=30)

@@ -15,6 +15,7 @@ from tests.support.fixtures import (
     random_key,
     replica_json,
 )
+from tests.support.statements import PRINCIPAL_OF_TOKEN, statements_sent
 
 pytestmark = pytest.mark.django_db
 
@@ -60,6 +61,30 @@ def test_everything_matched(scope, holder_a):
     answer = body(lookup(holder_a, scope, keys))
     assert answer["matched"] == 40
     assert answer["blocks"][39]["replicas"][0]["block_key"] == keys[39]
+
+
+def test_a_lookup_sends_the_same_statements_however_many_keys_it_asks_for(
+    scope, holder_a, lookup_tally_not_due
+):
+    """The replicas of every key asked for in one statement: a statement per key would make a
+    lookup of a long prompt a round trip per block."""
+
+    def statements(count: int) -> list[str]:
+        keys = [random_key() for _ in range(count)]
+        for key in keys:
+            publish(holder_a, scope, key)
+        with statements_sent() as sent:
+            assert body(lookup(holder_a, scope, keys))["matched"] == count
+        return sent
+
+    assert (
+        statements(1)
+        == statements(64)
+        == [
+            PRINCIPAL_OF_TOKEN,
+            "SELECT index_replica index_holder",
+        ]
+    )
 
 
 def test_no_keys_and_no_match(scope, holder_a):

@@ -20,6 +20,7 @@ from tests.support.fixtures import (
     random_key,
     replica_json,
 )
+from tests.support.statements import PRINCIPAL_OF_TOKEN, statements_sent
 
 pytestmark = pytest.mark.django_db
 
@@ -165,16 +166,25 @@ def test_a_node_publishes_for_its_own_instance_url(scope):
 
 
 def test_statements_do_not_grow_with_the_batch(scope, holder_a):
-    def statements(count: int) -> int:
+    def statements(count: int) -> list[str]:
         records = [replica_json(scope.scope_id_hex, COMPAT, random_key()) for _ in range(count)]
-        with CaptureQueriesContext(connection) as queries:
+        with statements_sent() as sent:
             results = publish(holder_a, records)
         assert {r["status"] for r in results} == {201}
-        return len(queries)
+        return sent
 
     statements(1)  # the holder's first record interns it
-    # Authentication, and the batch's upsert inside its savepoint.
-    assert statements(2) == statements(64) == statements(512) == 4
+    assert (
+        statements(2)
+        == statements(64)
+        == statements(512)
+        == [
+            PRINCIPAL_OF_TOKEN,
+            "SAVEPOINT",
+            "WITH INSERT, SELECT index_replica index_holder",
+            "RELEASE SAVEPOINT",
+        ]
+    )
 
 
 @pytest.mark.parametrize(

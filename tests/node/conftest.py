@@ -6,6 +6,8 @@ all on the test database and the Redis broker.
 - ``n1`` and ``n2`` are ordinary nodes; ``n2`` runs the reference engine.
 - ``n3`` has tiny tiers (two blocks of host, two of disk, half a block of device) and a lease
   quota of two blocks, for the eviction and quota tests.
+- Every node marks a block used at each GET (``KVSP_ACCESS_RESOLUTION_MS=0``), so that the LRU
+  tests need not wait out the default resolution of a second.
 - The storage-only holders ``n1`` and ``n3`` report ``"engine": false``, so placement and
   failover never choose them, and a prefill and decode rate of one token a second.
 
@@ -36,6 +38,9 @@ TINY = {
 }
 STATUS_TTL_MS = 3000
 REPLICA_TTL_MS = 60_000
+# Every GET marks its block used, so that a read shows in the LRU order at once, without waiting
+# out the default resolution of a second.
+ACCESS_RESOLUTION_MS = 0
 
 
 @dataclass
@@ -161,6 +166,7 @@ def extra_node(
         KVSP_LEASE_MAX_TTL_MS="60000",
         KVSP_PREFILL_TOKENS_PER_S="1",
         KVSP_DECODE_TOKENS_PER_S="1",
+        KVSP_ACCESS_RESOLUTION_MS=str(ACCESS_RESOLUTION_MS),
         **settings,
     )
     return Node(name, port, env, log_dir, holder.shm_dir, holder.disk_dir, token)
@@ -222,6 +228,7 @@ def cluster(django_db_setup, django_db_blocker, role_env, log_dir, tmp_path_fact
                 KVSP_STATUS_TTL_MS=str(STATUS_TTL_MS),
                 KVSP_REPLICA_TTL_MS=str(REPLICA_TTL_MS),
                 KVSP_LEASE_MAX_TTL_MS="60000",
+                KVSP_ACCESS_RESOLUTION_MS=str(ACCESS_RESOLUTION_MS),
             )
             if key == "n2":
                 env["KVSP_MODEL_DIR"] = str(model_dir)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -94,13 +96,27 @@ def problem(response: httpx.Response) -> str:
     return document["type"].rsplit("/", 1)[-1]
 
 
+def hung_up(connection: socket.socket) -> bool:
+    """Whether the other end of ``connection`` closed (or reset) it: what is sent now is not
+    read."""
+    readable, _, _ = select.select([connection], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 class StandinHolder:
     """A holder on a loopback port serving the blocks it is given, with leases.
 
-    ``delay_s[key]`` holds a block back before its first octet; ``trickle_s[key]`` spreads it
-    over that many seconds; ``served[key]`` replaces the octets sent (with a Repr-Digest of
-    what is sent), to inject a block whose layers differ from its record. ``pace_mbit_per_s``
-    makes the holder a link of that rate: the bodies of all GETs together leave no faster.
+    ``held[key]``, an event, holds a block back before its first octet until it is set;
+    ``requester_left[key]`` then says whether the requester had hung up by that time (the
+    block is not sent to it). ``trickle_s[key]`` spreads a block over that many seconds;
+    ``served[key]`` replaces the octets sent (with a Repr-Digest of what is sent), to inject a
+    block whose layers differ from its record. ``pace_mbit_per_s`` makes the holder a link of
+    that rate: the bodies of all GETs together leave no faster.
     ``received`` lists (method, path, Authorization field) of every request, in order: what a
     client hands whatever it takes for a holder; ``connections`` counts the connections they
     came over. It speaks only the spec: a POST of a batch of blocks (this project's extension)
@@ -112,7 +128,8 @@ class StandinHolder:
     def __init__(self):
         self.blocks: dict[str, bytes] = {}
         self.served: dict[str, bytes] = {}
-        self.delay_s: dict[str, float] = {}
+        self.held: dict[str, threading.Event] = {}
+        self.requester_left: dict[str, bool] = {}
         self.trickle_s: dict[str, float] = {}
         self.pace_mbit_per_s = 0.0
         self._link_free_at = 0.0
@@ -192,7 +209,13 @@ class StandinHolder:
                 holder.gets.append(key)
                 if key not in holder.blocks:
                     return self._json(404, {"type": "kvsp-not-found", "status": 404})
-                time.sleep(holder.delay_s.get(key, 0))
+                gate = holder.held.get(key)
+                if gate is not None:
+                    gate.wait(timeout=120)
+                    holder.requester_left[key] = hung_up(self.connection)
+                    if holder.requester_left[key]:
+                        self.close_connection = True
+                        return
                 data = holder.served.get(key, holder.blocks[key])
                 headers = [("Repr-Digest", repr_digest_header(sha256(data)))]
                 self._head(200, len(data), BLOCK, headers)

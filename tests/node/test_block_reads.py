@@ -1,6 +1,7 @@
 """A block GET reads its row and marks the block used (the LRU order of eviction) before it
-answers, in one statement on Postgres: the row as it was, the touch at most once a second, none
-for a scope the reader may not read, and the connection left as it was found."""
+answers, in one statement on Postgres: the row as it was, the touch at most once per
+KVSP_ACCESS_RESOLUTION_MS, none for a scope the reader may not read, and the connection left as
+it was found; on the holder's own path for loaders, with no other statement but the token's."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ from django.db import connection
 from django.utils import timezone
 
 from index.auth import AuthenticatedPrincipal
-from tests.node.support import block_row
-from workers import selectors
+from tests.node.support import block_row, container
+from tests.support.fixtures import make_caller, make_scope
+from tests.support.statements import (
+    KEPT_CONNECTION_CHECK,
+    PRINCIPAL_OF_TOKEN,
+    statements_sent,
+)
+from workers import selectors, tiers
+from workers.blockpath import LeanBlockRequests
 from workers.models import StoredBlock
 
 NODE = "reads-node"
@@ -85,3 +93,68 @@ def test_a_read_on_a_connection_that_died_since_the_last_request_is_answered(set
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
         assert cursor.fetchone() != (pid,)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_touches_a_block_last_used_longer_ago_than_the_configured_resolution(settings):
+    settings.KVSP_INSTANCE = NODE
+    half_an_hour_ago = timezone.now() - timedelta(minutes=30)
+    row = stored(half_an_hour_ago)
+    reader = principal(IDS[1])
+
+    settings.KVSP_ACCESS_RESOLUTION_MS = 60 * 60 * 1000
+    assert selectors.read_block(reader, *IDS).pk == row.pk
+    assert set(selectors.read_blocks(reader, IDS[0], IDS[1], [IDS[2]])) == {IDS[2]}
+    selectors.touch(StoredBlock.objects.get(pk=row.pk))
+    assert last_access(row) == half_an_hour_ago
+
+    settings.KVSP_ACCESS_RESOLUTION_MS = 10 * 60 * 1000
+    assert selectors.read_block(reader, *IDS).last_access == half_an_hour_ago
+    touched = last_access(row)
+    assert touched > half_an_hour_ago
+
+    # A resolution of nothing: every read marks the block used again.
+    settings.KVSP_ACCESS_RESOLUTION_MS = 0
+    selectors.read_blocks(reader, IDS[0], IDS[1], [IDS[2]])
+    assert last_access(row) > touched
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_block_get_at_the_holder_sends_its_token_once_then_one_statement(settings, tmp_path):
+    """The loader's GET (``workers.blockpath``), thousands per directive: for a token not seen
+    yet, the check of the kept connection and the token's principal, then the statement that
+    reads and touches the row; a token the process remembers (KVSP_AUTH_CACHE_S) costs
+    nothing more, nor the check, which that statement makes itself."""
+    scope = make_scope("tenant-r")
+    token = make_caller("reader", scopes=[scope]).token
+    ids = (IDS[0], bytes(scope.scope_id), IDS[2])
+    settings.KVSP_INSTANCE = NODE
+    settings.KVSP_SHM_DIR = tmp_path
+    settings.KVSP_AUTH_CACHE_S = 3600.0
+    data = container(1)
+    tiers.ensure_dirs(NODE)
+    tiers.block_path(tiers.HOST, NODE, ids).write_bytes(data)
+    block_row(NODE, ids, timezone.now() - timedelta(hours=1), size=len(data)).save()
+    request = {
+        "type": "http",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/kvsp/blocks/" + "/".join(part.hex() for part in ids),
+        "query_string": b"",
+        "headers": [(b"host", b"testserver"), (b"authorization", f"Bearer {token}".encode())],
+        "client": ("127.0.0.1", 40000),
+    }
+    lean = LeanBlockRequests()
+    assert lean.route(request) == ids
+
+    with statements_sent() as first:
+        answer = lean.answer(request, ids)
+    assert (answer.status, answer.body) == (200, data)
+    with statements_sent() as again:
+        assert lean.answer(request, ids).body == data
+    assert first == [
+        KEPT_CONNECTION_CHECK,
+        PRINCIPAL_OF_TOKEN,
+        "WITH UPDATE, SELECT workers_storedblock",
+    ]
+    assert again == ["WITH UPDATE, SELECT workers_storedblock"]

@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -275,10 +273,8 @@ def reshard_and_check(sharding, name: str, keys: list[str], version: int, before
         for key, row in sharding.rows(node, list(retained)).items()
         if retained[key] is node
     }
-    # A GET refreshes a block's last access at a resolution of one second (the LRU order):
-    # wait until every retained block is that old, so that a read of one would show.
-    youngest = max(accessed.values())
-    time.sleep(max(0.0, 1.1 - (datetime.now(UTC) - youngest).total_seconds()))
+    # The nodes mark a block used at every GET (conftest.ACCESS_RESOLUTION_MS): a read of a
+    # retained block would show in its last access.
     sent = {node.name: sum(blocks_sent(node).values()) for node in nodes}
 
     body = {"shards": sharding.shards(*after), "deadline_ms": 30_000}

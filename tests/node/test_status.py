@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
+from django.utils import timezone
 
 from tests.node.conftest import STATUS_TTL_MS, Node, extra_node, start_all
 from tests.node.support import container, problem, random_key
@@ -25,22 +26,71 @@ def instance(name: str):
     return Instance.objects.get(name=name)
 
 
-def test_every_node_reports_at_least_every_third_of_its_ttl(cluster):
-    seen = {key: [] for key in cluster.nodes}
-    until = time.monotonic() + 3.5
-    while time.monotonic() < until:
+class DrivenClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Stopping:
+    """A runtime's ``stopping`` event, set after ``rounds`` rounds of a loop, whose waits pass
+    at once on ``clock``, for as long as they were asked to."""
+
+    def __init__(self, clock: DrivenClock, rounds: int):
+        self.clock = clock
+        self.rounds = rounds
+
+    def is_set(self) -> bool:
+        return self.rounds == 0
+
+    def wait(self, timeout: float) -> bool:
+        self.rounds -= 1
+        self.clock.now += timeout
+        return False
+
+
+@pytest.mark.parametrize("round_s", [0.0, 0.4, 0.7])
+def test_a_report_starts_every_third_of_the_ttl_whatever_the_last_one_took(settings, round_s):
+    """The reporter's schedule, on a clock the test drives: the time a report takes counts
+    towards the interval, which is within the third of the TTL that the spec allows. The
+    cluster test below shows the reports arriving in time on a real, busy machine."""
+    from workers.status import StatusReporter, report_interval_s
+
+    settings.KVSP_STATUS_TTL_MS = STATUS_TTL_MS
+    clock = DrivenClock()
+    starts: list[float] = []
+
+    class TimedReports(StatusReporter):
+        def once(self) -> None:
+            starts.append(clock())
+            clock.now += round_s
+
+    reporter = TimedReports(SimpleNamespace(stopping=Stopping(clock, rounds=5)), clock=clock)
+    reporter.run()
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps == pytest.approx([report_interval_s()] * 4)
+    assert report_interval_s() <= STATUS_TTL_MS / 3000
+
+
+def test_every_node_reports_within_its_ttl(cluster):
+    seen: dict[str, list] = {key: [] for key in cluster.nodes}
+
+    def three_more_reports_from_each() -> bool:
         for key, node in cluster.nodes.items():
             at = instance(node.name).last_report_at
             if at is not None and (not seen[key] or seen[key][-1] != at):
                 seen[key].append(at)
-        time.sleep(0.02)
+        return all(len(reports) >= 4 for reports in seen.values())
+
+    wait_until(three_more_reports_from_each, "three reports from every node", interval=0.02)
     for key, node in cluster.nodes.items():
         reports = seen[key]
-        assert len(reports) >= 3, reports
         gaps = [(b - a).total_seconds() for a, b in zip(reports, reports[1:], strict=False)]
-        # Reports every third of the TTL; on a busy machine one may come late, but never so
-        # late that the record expires.
-        assert statistics.median(gaps) <= STATUS_TTL_MS / 3000, gaps
+        # However late one comes on a busy machine, never so late that the record expires.
         assert max(gaps) < STATUS_TTL_MS / 1000, gaps
         row = instance(node.name)
         assert row.state == "active"
@@ -105,7 +155,16 @@ def test_drain_sleep_and_wake_through_the_controller(cluster):
 
     assert control.put(f"instances/{n1.name}/state", json={"state": "active"}).status_code == 200
     wait_until(lambda: Node.objects.get(name=n1.name).state == "active", "the node awake")
-    time.sleep(STATUS_TTL_MS / 1000)
+    # The first report to arrive may have left before the node woke; the second has not.
+    woke, since = timezone.now(), set()
+
+    def two_reports_since_it_woke() -> bool:
+        at = instance(n1.name).last_report_at
+        if at > woke:
+            since.add(at)
+        return len(since) >= 2
+
+    wait_until(two_reports_since_it_woke, "two reports since the node woke", interval=0.02)
     assert instance(n1.name).state == "active"
 
 

@@ -6,6 +6,7 @@ from kvsp.records import MAX_REQUEST_REF_LENGTH
 from placement.models import Directive, Instance
 from tests.placement.conftest import HOLDER
 from tests.support.fixtures import body, make_instance, problem_name, report, status_record
+from tests.support.statements import PRINCIPAL_OF_TOKEN, statements_sent
 
 pytestmark = pytest.mark.django_db
 
@@ -134,14 +135,20 @@ def test_the_candidates_are_read_in_one_query_however_many_there_are(
     assert sorted(found) == [f"engine-{n}" for n in range(6)]
 
 
+PLACEMENT_STATEMENTS = [
+    "SELECT index_scope index_compatdescriptor",
+    "SELECT index_replica index_holder",
+    "SELECT placement_instance",
+    "INSERT placement_directive",
+]
+
+
 def test_a_placement_that_prefetches_is_four_statements(
     cluster, monkeypatch, django_capture_on_commit_callbacks
 ):
     """The scope with its block size, the lookup, the candidates and the directive's INSERT,
     whatever the number of blocks, replica shapes and instances; and the directive it records
     is sent as the cost model planned it, each block with its sources by cost."""
-    import psycopg
-
     from index.auth import principal_for_token
     from kvsp.records import PlacementRequest
     from placement import delivery, placements
@@ -157,20 +164,11 @@ def test_a_placement_that_prefetches_is_four_statements(
     router = principal_for_token(cluster.router.token)
     sent = []
     monkeypatch.setattr(delivery, "send_soon", lambda directive: sent.append(directive.body()))
-    executed = []
-    execute = psycopg.Cursor.execute
-
-    def counted(cursor, query, *args, **kwargs):
-        executed.append(str(query))
-        return execute(cursor, query, *args, **kwargs)
-
-    monkeypatch.setattr(psycopg.Cursor, "execute", counted)
     request = {"scope_id": cluster.scope.scope_id_hex, "compat_id": cluster.compat}
     request |= {"tokens": cluster.tokens, "request_ref": "req-q"}
-    with django_capture_on_commit_callbacks(execute=True):
+    with statements_sent() as statements, django_capture_on_commit_callbacks(execute=True):
         answer = placements.do_place(router, PlacementRequest.from_json(request))
-    monkeypatch.setattr(psycopg.Cursor, "execute", execute)
-    assert len(executed) == 4, executed
+    assert statements == PLACEMENT_STATEMENTS
     assert answer["name"] == "engine-2" and answer["matched"] == 4
     directive = Directive.objects.get()
     assert answer["directive"].endswith(str(directive.directive))
@@ -181,6 +179,26 @@ def test_a_placement_that_prefetches_is_four_statements(
     assert directive.block_count == 4
     assert sent == [directive.body()]
     assert sent[0]["blocks"] == directive.blocks and sent[0]["request_ref"] == "req-q"
+
+
+def test_a_placement_request_sends_the_same_statements_whatever_the_fleet(
+    cluster, monkeypatch, django_capture_on_commit_callbacks, lookup_tally_not_due
+):
+    """A router's request adds its token's principal to the placement's four statements, and
+    nothing per instance of the fleet."""
+    from placement import delivery
+
+    monkeypatch.setattr(delivery, "send_soon", lambda directive: None)
+    cluster.publish(4)
+
+    def statements(instances: int) -> list[str]:
+        for n in range(instances):
+            up(f"engine-{instances}-{n}", scope=cluster.scope, links=[link(100_000)])
+        with statements_sent() as sent, django_capture_on_commit_callbacks(execute=True):
+            assert body(cluster.place())["matched"] == 4
+        return sent
+
+    assert statements(1) == statements(20) == [PRINCIPAL_OF_TOKEN, *PLACEMENT_STATEMENTS]
 
 
 def test_a_holder_without_an_engine_is_never_placed_whatever_its_compat_ids(cluster):

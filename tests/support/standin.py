@@ -10,6 +10,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.support.waiting import wait_until
+
 
 class StandinNode:
     def __init__(self, port: int = 0):
@@ -20,6 +22,9 @@ class StandinNode:
         self.answers: dict[tuple[str, str], tuple[int, dict | None]] = {}
         # Per-route delays before answering, in seconds: a slow or hung instance.
         self.delays: dict[tuple[str, str], float] = {}
+        # Per-route events to wait for before answering: an instance that answers when the
+        # test says so.
+        self.holds: dict[tuple[str, str], threading.Event] = {}
         self._lock = threading.Lock()
         node = self
 
@@ -47,6 +52,9 @@ class StandinNode:
                 for (route_method, prefix), seconds in list(node.delays.items()):
                     if route_method == method and self.path.startswith(prefix):
                         time.sleep(seconds)
+                for (route_method, prefix), gate in list(node.holds.items()):
+                    if route_method == method and self.path.startswith(prefix):
+                        gate.wait(timeout=120)
                 for (route_method, prefix), (status, answer) in node.answers.items():
                     if route_method == method and self.path.startswith(prefix):
                         return self._answer(status, answer)
@@ -94,10 +102,8 @@ class StandinNode:
             return [b for m, p, b in self.requests if m == method and p.startswith(path_prefix)]
 
     def wait_for(self, method: str, path_prefix: str, count: int = 1, timeout: float = 30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.received(method, path_prefix)
-            if len(found) >= count:
-                return found
-            time.sleep(0.05)
-        raise TimeoutError(f"no {method} {path_prefix} after {timeout}s: {self.requests}")
+        return wait_until(
+            lambda: len(found := self.received(method, path_prefix)) >= count and found,
+            f"{count} {method} {path_prefix}",
+            timeout,
+        )
