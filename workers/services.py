@@ -52,7 +52,14 @@ from kvsp.container import Container
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, PrefetchDirective
 from kvsp.registries import RAW_CODEC, lookup_codec
-from kvsp.states import INSTANCE_LIFECYCLE, RESHARD_PHASES, InstanceEvent, ReshardEvent
+from kvsp.states import (
+    INSTANCE_LIFECYCLE,
+    RESHARD_PHASES,
+    SERVED_SESSION_STATES,
+    InstanceEvent,
+    ReshardEvent,
+    ServedSessionEvent,
+)
 from kvspsite.celery import instance_queue
 from workers import control, notices, selectors, tiers
 from workers.models import (
@@ -1129,7 +1136,7 @@ def _clear_for_new_try(
     if latest.phase == MovePhase.COMMITTED:
         raise _late(map_id, to_version, "is committed here")
     if latest.phase == MovePhase.PREPARING:
-        latest.phase = MovePhase.ABORTED
+        latest.phase = RESHARD_PHASES.next_state(latest.phase, ReshardEvent.ABORT)
         latest.decided_at = latest.finished_at = now
         latest.save(update_fields=["phase", "decided_at", "finished_at"])
         notices.announce(latest.notice_channel)
@@ -1144,9 +1151,9 @@ def _late(map_id: str, to_version: int, why: str) -> ProtocolError:
 
 
 def _decided_move(
-    name: str, map_id: str, to_version: int, attempt: int | None, phase: str
+    name: str, map_id: str, to_version: int, attempt: int | None, event: ReshardEvent
 ) -> tuple[ReshardMove, bool]:
-    """The try a commit or abort (``phase``) is about, locked; True when this node has no plan
+    """The try a commit or abort (``event``) is about, locked; True when this node has no plan
     of it and recorded it as decided, with nothing to do, so that the opposite decision
     arriving later is refused as the phases say."""
     tries = _tries_locked(name, map_id, to_version)
@@ -1154,6 +1161,7 @@ def _decided_move(
     if move is not None:
         return move, False
     now = timezone.now()
+    phase = RESHARD_PHASES.next_state(MovePhase.PREPARING, event)
     stopped = _clear_for_new_try(
         tries, attempt, map_id, to_version, now, older_ok=phase == MovePhase.ABORTED
     )
@@ -1289,7 +1297,7 @@ def do_commit_move(map_id: str, to_version: int, attempt: int | None = None) -> 
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.COMMITTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, ReshardEvent.COMMIT)
         if recorded:
             return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.COMMIT)
@@ -1320,7 +1328,7 @@ def do_abort_move(map_id: str, to_version: int, attempt: int | None = None) -> R
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.ABORTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, ReshardEvent.ABORT)
         if recorded:
             return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.ABORT)
@@ -1421,7 +1429,9 @@ def do_apply_pc_state(name: str, state: str) -> Node:
         node = lock_node(name)
         if state in NodeState.values and node.state != state:
             log.info("node %s: %s -> %s (the PC's decision)", name, node.state, state)
-            node.state = state
+            node.state = INSTANCE_LIFECYCLE.next_state(
+                node.state, INSTANCE_LIFECYCLE.event_between(node.state, state)
+            )
             node.state_changed_at = timezone.now()
             node.save(update_fields=["state", "state_changed_at"])
     return node
@@ -1478,7 +1488,7 @@ def do_fail_interrupted_sessions(name: str, node_epoch: int) -> int:
     return ServedSession.objects.filter(
         instance=name, state=ServedSessionState.RUNNING, node_epoch__lt=node_epoch
     ).update(
-        state=ServedSessionState.FAILED,
+        state=SERVED_SESSION_STATES.next_state(ServedSessionState.RUNNING, ServedSessionEvent.FAIL),
         reason="the instance's worker stopped while serving it",
         finished_at=timezone.now(),
     )
