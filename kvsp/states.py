@@ -1,11 +1,16 @@
 """The state machines of KVSP: instance lifecycle (spec 6.3), prefetch directive states (6.5),
-reshard phases (6.9) and session epochs (6.3, 6.8).
+sessions as the PC follows them and as an instance serves them (6.8), reshard phases (6.9) and
+session epochs (6.3, 6.8).
 
 Each machine is one transition table below, in the manner of h11's ``_state.py``: a state maps
 the events allowed in it to the state they lead to, and every pair not in the table is illegal.
 ``TransitionTable.next_state`` answers a pair or raises ``ProtocolError("kvsp-invalid-state")``.
 The tables hold the states and events only; who observes an event (the PC reading a status
 record, a clock, an operator) is written next to each edge.
+
+Every change of a state, on the PC and on a node, asks its table: one row at a time with
+``next_state``, and many rows in one conditional UPDATE restricted to ``sources(event)`` and set
+to ``target(event)``, so that the database refuses an illegal transition as well.
 """
 
 from __future__ import annotations
@@ -69,6 +74,36 @@ class TransitionTable(Generic[S, E]):
     @property
     def terminal_states(self) -> frozenset[S]:
         return frozenset(state for state, row in self.transitions.items() if not row)
+
+    def sources(self, event: E | str) -> frozenset[S]:
+        """The states in which ``event`` is allowed: what an UPDATE applying it to many rows
+        restricts them to."""
+        return frozenset(state for state, row in self.transitions.items() if event in row)
+
+    def target(self, event: E | str) -> S:
+        """The one state ``event`` leads to from every state that allows it, for an UPDATE that
+        applies it to many rows; an event whose next state depends on the state cannot be one
+        UPDATE (ValueError)."""
+        targets = {row[event] for row in self.transitions.values() if event in row}
+        if len(targets) != 1:
+            raise ValueError(f"{self.machine}: {_name(event)!r} leads to {len(targets)} states")
+        return targets.pop()
+
+    def event_between(self, state: S | str, next_state: S | str) -> E:
+        """An event that leads from ``state`` to ``next_state``, for a party that learns of
+        another's transitions from the states it reports (the PC reading a directive's state,
+        a node told the PC's decision); a state no event reaches raises."""
+        try:
+            row = self.transitions.get(state, {})
+        except TypeError:
+            row = {}
+        for event, reached in row.items():
+            if reached == next_state:
+                return event
+        raise ProtocolError(
+            "kvsp-invalid-state",
+            f"{self.machine}: nothing leads from state {_name(state)!r} to {_name(next_state)!r}",
+        )
 
 
 def _name(value: object) -> str:
@@ -195,6 +230,109 @@ DIRECTIVE_STATES: TransitionTable[DirectiveStatus, DirectiveEvent] = TransitionT
         _D.PARTIAL: {},
         _D.COMPLETE: {},
         _D.FAILED: {},
+    },
+)
+
+
+# --- Sessions, as the PC follows them (spec 6.8) -----------------------------------------------
+
+
+class SessionState(StrEnum):
+    """A session as the PC follows it, under the epochs it issues (``accept_epoch``)."""
+
+    RUNNING = "running"
+    # The serving instance failed; the PC raised the epoch and is resuming it elsewhere.
+    RESUMING = "resuming"
+    COMPLETED = "completed"
+    # No checkpoint to resume from.
+    FAILED = "failed"
+
+
+class SessionEvent(StrEnum):
+    # The instance the session resumes on sent a checkpoint under the new epoch: it serves the
+    # session now.
+    RESUMED = "resumed"
+    # The front end holds every output token up to the one the instance marked final. Tokens
+    # posted again after that change nothing.
+    DELIVERED = "delivered"
+    # The serving instance failed or restarted, or the one chosen to resume the session on
+    # refused or never answered: the PC resumes it elsewhere from its latest checkpoint (or
+    # waits, resuming, for an instance to resume it on).
+    FAIL_OVER = "fail-over"
+    # The same, for a session without a checkpoint: there is nothing to resume from.
+    NOTHING_TO_RESUME = "nothing-to-resume"
+
+
+_SS = SessionState
+_SE = SessionEvent
+
+SESSION_STATES: TransitionTable[SessionState, SessionEvent] = TransitionTable(
+    "session",
+    SessionState,
+    SessionEvent,
+    {
+        _SS.RUNNING: {
+            _SE.DELIVERED: _SS.COMPLETED,
+            _SE.FAIL_OVER: _SS.RESUMING,
+            _SE.NOTHING_TO_RESUME: _SS.FAILED,
+        },
+        _SS.RESUMING: {
+            _SE.RESUMED: _SS.RUNNING,
+            # A deterministic sampler's tokens need no acknowledged checkpoint: the resumed
+            # instance may deliver the last of them before it checkpoints.
+            _SE.DELIVERED: _SS.COMPLETED,
+            # The instance chosen refused or never answered, or none was found yet.
+            _SE.FAIL_OVER: _SS.RESUMING,
+            _SE.NOTHING_TO_RESUME: _SS.FAILED,
+        },
+        _SS.COMPLETED: {_SE.DELIVERED: _SS.COMPLETED},
+        _SS.FAILED: {},
+    },
+)
+
+
+# --- Sessions, as an instance serves them (spec 6.8) -------------------------------------------
+
+
+class ServedSessionState(StrEnum):
+    """A session an instance serves under one session epoch."""
+
+    ACCEPTED = "accepted"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    # The PC answered with a higher epoch (or another instance): it is served elsewhere now.
+    SUPERSEDED = "superseded"
+    FAILED = "failed"
+
+
+class ServedSessionEvent(StrEnum):
+    START = "start"  # the worker takes the row up
+    COMPLETE = "complete"  # the last output token is delivered
+    SUPERSEDE = "supersede"  # the PC answered with a higher epoch or another instance
+    FAIL = "fail"  # the instance could not go on
+
+
+_V = ServedSessionState
+_VE = ServedSessionEvent
+
+SERVED_SESSION_STATES: TransitionTable[ServedSessionState, ServedSessionEvent] = TransitionTable(
+    "served session",
+    ServedSessionState,
+    ServedSessionEvent,
+    {
+        _V.ACCEPTED: {
+            _VE.START: _V.RUNNING,
+            _VE.SUPERSEDE: _V.SUPERSEDED,
+            _VE.FAIL: _V.FAILED,
+        },
+        _V.RUNNING: {
+            _VE.COMPLETE: _V.COMPLETED,
+            _VE.SUPERSEDE: _V.SUPERSEDED,
+            _VE.FAIL: _V.FAILED,
+        },
+        _V.COMPLETED: {},
+        _V.SUPERSEDED: {},
+        _V.FAILED: {},
     },
 )
 

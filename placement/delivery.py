@@ -25,6 +25,7 @@ from django.db import close_old_connections, connections, transaction
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
+from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
 from kvspsite.celery import enqueue
 from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 from placement.models import Directive, DirectiveState, InstanceState
@@ -112,11 +113,11 @@ SENDER_IDLE_S = 2.0
 SENDER_EXIT_S = 5.0
 
 
-def finish_directive(directive_id: int, state: str, **fields) -> None:
-    """Record a final state of a pending directive."""
+def finish_directive(directive_id: int, event: DirectiveEvent, **fields) -> None:
+    """Record the end of a directive still pending; one that ended already stays as it is."""
     with transaction.atomic():
-        Directive.objects.filter(pk=directive_id, state=DirectiveState.PENDING).update(
-            state=state, finished_at=timezone.now(), **fields
+        Directive.objects.filter(pk=directive_id, state__in=DIRECTIVE_STATES.sources(event)).update(
+            state=DIRECTIVE_STATES.target(event), finished_at=timezone.now(), **fields
         )
 
 
@@ -136,7 +137,9 @@ def deliver(directive_id: int, *, client: httpx.Client, document: dict | None = 
     if directive.state != DirectiveState.PENDING:
         return directive.state
     if directive.instance.state != InstanceState.ACTIVE:
-        finish_directive(directive_id, DirectiveState.FAILED, reason="the instance is not active")
+        finish_directive(
+            directive_id, DirectiveEvent.LOAD_FAILED, reason="the instance is not active"
+        )
         return "failed"
     content = orjson.dumps(document if document is not None else directive.body())
     response = call(
@@ -154,7 +157,7 @@ def deliver(directive_id: int, *, client: httpx.Client, document: dict | None = 
             reason = f"the instance answered {response.status_code}"
         except ProtocolError as error:
             reason = error.detail
-        finish_directive(directive_id, DirectiveState.FAILED, reason=reason, send_error=reason)
+        finish_directive(directive_id, DirectiveEvent.LOAD_FAILED, reason=reason, send_error=reason)
         return "failed"
     location = response.headers.get("Location", "")
     status_url = str(response.url.join(location)) if location else ""

@@ -11,16 +11,15 @@ import numpy as np
 import orjson
 from django.db import models
 
+from kvsp import states
 from kvsp.records import MAX_REQUEST_REF_LENGTH
-from kvsp.states import DirectiveStatus
-from kvsp.states import InstanceState as LifecycleState
 
 
 class InstanceState(models.TextChoices):
-    ACTIVE = LifecycleState.ACTIVE.value
-    DRAINING = LifecycleState.DRAINING.value
-    SLEEPING = LifecycleState.SLEEPING.value
-    FAILED = LifecycleState.FAILED.value
+    ACTIVE = states.InstanceState.ACTIVE.value
+    DRAINING = states.InstanceState.DRAINING.value
+    SLEEPING = states.InstanceState.SLEEPING.value
+    FAILED = states.InstanceState.FAILED.value
 
 
 def serves(compat_id_hex: str, compat_ids, reported_compat_ids, *, engine: object) -> bool:
@@ -120,10 +119,10 @@ class StatusSample(models.Model):
 
 
 class DirectiveState(models.TextChoices):
-    PENDING = DirectiveStatus.PENDING.value
-    PARTIAL = DirectiveStatus.PARTIAL.value
-    COMPLETE = DirectiveStatus.COMPLETE.value
-    FAILED = DirectiveStatus.FAILED.value
+    PENDING = states.DirectiveStatus.PENDING.value
+    PARTIAL = states.DirectiveStatus.PARTIAL.value
+    COMPLETE = states.DirectiveStatus.COMPLETE.value
+    FAILED = states.DirectiveStatus.FAILED.value
 
 
 # Where a directive's block finds its sources in Directive.sources: uint32, little-endian.
@@ -269,9 +268,11 @@ class ShardMap(models.Model):
 
 
 class ReshardPhase(models.TextChoices):
-    PREPARING = "preparing"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
+    """Transitions follow ``kvsp.states.RESHARD_PHASES``."""
+
+    PREPARING = states.ReshardPhase.PREPARING.value
+    COMMITTED = states.ReshardPhase.COMMITTED.value
+    ABORTED = states.ReshardPhase.ABORTED.value
 
 
 class ReshardOperation(models.Model):

@@ -2,7 +2,8 @@
 the lifecycle, failure detection, placement and the prefetch directives it sends.
 
 Every change of an instance's state goes through ``_transition``, which asks the lifecycle table
-of ``kvsp.states``; views, tasks, the admin and the dashboard call these functions.
+of ``kvsp.states``, and every change of a directive's state asks the directive table; views,
+tasks, the admin and the dashboard call these functions.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from django.utils import timezone
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from kvsp.records import InstanceStatusRecord, base_url_rule_broken
-from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from kvsp.states import DIRECTIVE_STATES, INSTANCE_LIFECYCLE, DirectiveEvent, InstanceEvent
 from kvspsite.celery import enqueue
 from placement import policy
-from placement.models import Directive, DirectiveState, Instance, InstanceState, StatusSample
+from placement.models import Directive, Instance, InstanceState, StatusSample
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ def _transition(instance: Instance, event: InstanceEvent, now: datetime) -> bool
 
 
 def _fail_pending_directives(instance: Instance, reason: str, now: datetime) -> None:
-    Directive.objects.filter(instance=instance, state=DirectiveState.PENDING).update(
-        state=DirectiveState.FAILED, reason=reason, finished_at=now
+    event = DirectiveEvent.LOAD_FAILED
+    Directive.objects.filter(instance=instance, state__in=DIRECTIVE_STATES.sources(event)).update(
+        state=DIRECTIVE_STATES.target(event), reason=reason, finished_at=now
     )
 
 

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveState as DirectiveStateRecord
+from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
 from kvspsite.celery import add_housekeeping, kvsp_task
 from kvspsite.peers import call, peer_client, raise_for_problem
 from placement import delivery, fetchplan, resharding, services
@@ -67,19 +68,21 @@ def poll_directive(directive_id: int) -> str:
         state = DirectiveStateRecord.from_json(response.json())
     except ProtocolError as error:
         # The instance does not know the directive (it restarted, say) or answers nonsense.
-        delivery.finish_directive(directive.pk, DirectiveState.FAILED, reason=error.detail)
+        delivery.finish_directive(directive.pk, DirectiveEvent.LOAD_FAILED, reason=error.detail)
         return "failed"
     Directive.objects.filter(pk=directive_id).update(polled_at=timezone.now())
     if state.state != DirectiveState.PENDING:
+        # The instance's directive took this event: the row here follows it.
+        event = DIRECTIVE_STATES.event_between(directive.state, state.state)
         delivery.finish_directive(
-            directive.pk, state.state, loaded=list(state.loaded), reason=state.reason or ""
+            directive.pk, event, loaded=list(state.loaded), reason=state.reason or ""
         )
         return state.state
     waited_ms = (timezone.now() - directive.created_at).total_seconds() * 1000
     # The instance stops at the deadline itself; past it (with slack) stop asking.
     if waited_ms > directive.deadline_ms + 30_000:
         delivery.finish_directive(
-            directive.pk, DirectiveState.FAILED, reason="no final state was reported in time"
+            directive.pk, DirectiveEvent.LOAD_FAILED, reason="no final state was reported in time"
         )
         return "failed"
     poll_directive.apply_async((directive_id,), countdown=settings.KVSP_DIRECTIVE_POLL_S)

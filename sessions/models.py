@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from django.db import models
 
+from kvsp import states
+
 
 class SessionState(models.TextChoices):
-    RUNNING = "running"
-    # The serving instance failed; the PC raised the epoch and is resuming it elsewhere.
-    RESUMING = "resuming"
-    COMPLETED = "completed"
-    # No checkpoint to resume from, or nowhere to resume it.
-    FAILED = "failed"
+    """Transitions follow ``kvsp.states.SESSION_STATES``."""
+
+    RUNNING = states.SessionState.RUNNING.value
+    RESUMING = states.SessionState.RESUMING.value
+    COMPLETED = states.SessionState.COMPLETED.value
+    FAILED = states.SessionState.FAILED.value
 
 
 class Session(models.Model):

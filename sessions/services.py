@@ -3,7 +3,7 @@
 The PC issues session epochs (``kvsp.states`` EpochRole.ISSUER): a message from a lower epoch
 is stale everywhere, and one claiming an epoch the PC never issued is refused. Within an epoch
 the stored checkpoint only moves forward (highest ``output_offset``), and each output index is
-delivered once and never changed.
+delivered once and never changed. A session's state changes only as ``SESSION_STATES`` allows.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from kvsp import blockkeys
 from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import SessionCheckpoint
-from kvsp.states import EpochRole, accept_epoch, next_session_epoch
+from kvsp.states import (
+    SESSION_STATES,
+    EpochRole,
+    SessionEvent,
+    accept_epoch,
+    next_session_epoch,
+)
 from kvsp.timeline import check_timings
 from kvspsite import metrics
 from kvspsite.celery import enqueue
@@ -146,7 +152,7 @@ def _record_checkpoint(principal, session_id: str, body: object, *, now=None) ->
         if timings is not None:
             session.timings_us = timings
         if session.state == SessionState.RESUMING:
-            session.state = SessionState.RUNNING
+            session.state = SESSION_STATES.next_state(session.state, SessionEvent.RESUMED)
         session.save()
     return CheckpointAnswer(session, False)
 
@@ -242,7 +248,7 @@ def do_post_output(principal, session_id: str, body: object, *, now=None) -> dic
         if fresh and session.failovers and session.resumed_first_token_at is None:
             session.resumed_first_token_at = now
         if session.final_length is not None and session.delivered >= session.final_length:
-            session.state = SessionState.COMPLETED
+            session.state = SESSION_STATES.next_state(session.state, SessionEvent.DELIVERED)
             session.completed_at = session.completed_at or now
         session.save()
         if fresh or session.state == SessionState.COMPLETED:
@@ -350,7 +356,7 @@ def do_fail_over_instance_sessions(instance_id: int, *, now=None) -> list[uuid.U
     now = now or timezone.now()
     moved = []
     for pk in Session.objects.filter(
-        instance_id=instance_id, state__in=[SessionState.RUNNING, SessionState.RESUMING]
+        instance_id=instance_id, state__in=SESSION_STATES.sources(SessionEvent.FAIL_OVER)
     ).values_list("pk", flat=True):
         if do_fail_over_session(pk, failed_instance_id=instance_id, now=now):
             moved.append(pk)
@@ -361,12 +367,12 @@ def do_fail_over_session(pk: int, *, failed_instance_id: int | None, now=None) -
     now = now or timezone.now()
     with transaction.atomic():
         session = Session.objects.select_for_update().filter(pk=pk).first()
-        if session is None or session.state in (SessionState.COMPLETED, SessionState.FAILED):
+        if session is None or not SESSION_STATES.allows(session.state, SessionEvent.FAIL_OVER):
             return False
         if failed_instance_id is not None and session.instance_id != failed_instance_id:
             return False  # already moved by an earlier failover
         if session.checkpoint is None:
-            session.state = SessionState.FAILED
+            session.state = SESSION_STATES.next_state(session.state, SessionEvent.NOTHING_TO_RESUME)
             session.resume_error = "the instance failed before the first checkpoint"
             session.save()
             return False
@@ -381,7 +387,7 @@ def do_fail_over_session(pk: int, *, failed_instance_id: int | None, now=None) -
             session.failovers += 1
             session.failed_over_at = now
             session.resumed_first_token_at = None
-        session.state = SessionState.RESUMING
+        session.state = SESSION_STATES.next_state(session.state, SessionEvent.FAIL_OVER)
         session.instance = instance
         session.resume_sent_at = None
         session.resume_error = "" if instance else "no active instance serves the session"
@@ -513,7 +519,7 @@ def do_fail_over_lost_sessions(*, now=None) -> int:
     """Sessions still with an instance the PC has failed: their failover was lost (the process
     failing the instance died before it moved them). Move them now."""
     lost = Session.objects.filter(
-        state__in=[SessionState.RUNNING, SessionState.RESUMING],
+        state__in=SESSION_STATES.sources(SessionEvent.FAIL_OVER),
         instance__state=InstanceState.FAILED,
     ).values_list("pk", "instance_id")
     return sum(

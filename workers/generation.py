@@ -60,6 +60,7 @@ from django.utils import timezone
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import Sampler, SessionCheckpoint
+from kvsp.states import ServedSessionEvent
 from kvsp.timeline import StepTimer
 from kvspsite.peers import PeerUnreachable
 from workers import admission, control, fetch, notices, replicas
@@ -403,11 +404,11 @@ class SessionRun:
         event, reason = self._serve()
         # Blocks still waiting to be stored are dropped once the session is superseded:
         # nothing more goes out for it.
-        self.writer.close(discard=event is served.SessionEvent.SUPERSEDE)
+        self.writer.close(discard=event is ServedSessionEvent.SUPERSEDE)
         self.sequence = None
         return served.do_finish(self.row.pk, event, reason, **self._progress())
 
-    def _serve(self) -> tuple[served.SessionEvent, str]:
+    def _serve(self) -> tuple[ServedSessionEvent, str]:
         try:
             self.engine = _engine_for(self.runtime, self.compat_id)
             if self.row.kind == SessionKind.GENERATE:
@@ -418,16 +419,16 @@ class SessionRun:
             self._store_prompt()  # a session that ended without posting a token
         except Superseded as stop:
             log.info("session %s epoch %d: superseded (%s)", self.session, self.epoch, stop)
-            return served.SessionEvent.SUPERSEDE, str(stop)
+            return ServedSessionEvent.SUPERSEDE, str(stop)
         except ProtocolError as error:
             log.warning("session %s epoch %d failed: %s", self.session, self.epoch, error.detail)
-            return served.SessionEvent.FAIL, error.detail
+            return ServedSessionEvent.FAIL, error.detail
         except PeerUnreachable as error:
-            return served.SessionEvent.FAIL, f"the control plane could not be reached: {error}"
+            return ServedSessionEvent.FAIL, f"the control plane could not be reached: {error}"
         except Exception:
             log.exception("session %s epoch %d failed", self.session, self.epoch)
-            return served.SessionEvent.FAIL, "the instance failed while serving the session"
-        return served.SessionEvent.COMPLETE, ""
+            return ServedSessionEvent.FAIL, "the instance failed while serving the session"
+        return ServedSessionEvent.COMPLETE, ""
 
     def _progress(self) -> dict:
         return {
@@ -939,6 +940,6 @@ def serve(session_pk: int, runtime) -> str:
     row.refresh_from_db()
     if runtime is None:
         return served.do_finish(
-            session_pk, served.SessionEvent.FAIL, "this worker does not serve the node's queue"
+            session_pk, ServedSessionEvent.FAIL, "this worker does not serve the node's queue"
         )
     return SessionRun(row, runtime).run()

@@ -15,7 +15,12 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
-from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
+from kvsp.states import (
+    INSTANCE_LIFECYCLE,
+    SERVED_SESSION_STATES,
+    InstanceEvent,
+    ServedSessionEvent,
+)
 from workers import selectors
 from workers.models import MeasuredLink, Node, NodeState, ServedSession, ServedSessionState
 
@@ -57,8 +62,9 @@ def do_apply_pc_state(name: str, state: str) -> Node:
     with transaction.atomic():
         node = lock_node(name)
         if state in NodeState.values and node.state != state:
+            event = INSTANCE_LIFECYCLE.event_between(node.state, state)
             log.info("node %s: %s -> %s (the PC's decision)", name, node.state, state)
-            node.state = state
+            node.state = INSTANCE_LIFECYCLE.next_state(node.state, event)
             node.state_changed_at = timezone.now()
             node.save(update_fields=["state", "state_changed_at"])
     return node
@@ -115,7 +121,7 @@ def do_fail_interrupted_sessions(name: str, node_epoch: int) -> int:
     return ServedSession.objects.filter(
         instance=name, state=ServedSessionState.RUNNING, node_epoch__lt=node_epoch
     ).update(
-        state=ServedSessionState.FAILED,
+        state=SERVED_SESSION_STATES.next_state(ServedSessionState.RUNNING, ServedSessionEvent.FAIL),
         reason="the instance's worker stopped while serving it",
         finished_at=timezone.now(),
     )

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 from django.db import models
 
-from kvsp.states import DirectiveStatus, ReshardPhase
-from kvsp.states import InstanceState as LifecycleState
+from kvsp import states
 
 
 class NodeState(models.TextChoices):
     """The states the PC asks a node for (6.3); "failed" is the PC's view alone."""
 
-    ACTIVE = LifecycleState.ACTIVE.value
-    DRAINING = LifecycleState.DRAINING.value
-    SLEEPING = LifecycleState.SLEEPING.value
+    ACTIVE = states.InstanceState.ACTIVE.value
+    DRAINING = states.InstanceState.DRAINING.value
+    SLEEPING = states.InstanceState.SLEEPING.value
 
 
 class Node(models.Model):
@@ -158,10 +157,10 @@ class Lease(models.Model):
 
 
 class DirectiveState(models.TextChoices):
-    PENDING = DirectiveStatus.PENDING.value
-    PARTIAL = DirectiveStatus.PARTIAL.value
-    COMPLETE = DirectiveStatus.COMPLETE.value
-    FAILED = DirectiveStatus.FAILED.value
+    PENDING = states.DirectiveStatus.PENDING.value
+    PARTIAL = states.DirectiveStatus.PARTIAL.value
+    COMPLETE = states.DirectiveStatus.COMPLETE.value
+    FAILED = states.DirectiveStatus.FAILED.value
 
 
 class Directive(models.Model):
@@ -246,14 +245,13 @@ class SessionKind(models.TextChoices):
 
 
 class ServedSessionState(models.TextChoices):
-    """Transitions follow ``workers.sessions.SESSION_STATES``."""
+    """Transitions follow ``kvsp.states.SERVED_SESSION_STATES``."""
 
-    ACCEPTED = "accepted"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    # The PC answered with a higher epoch (or another instance): it is served elsewhere now.
-    SUPERSEDED = "superseded"
-    FAILED = "failed"
+    ACCEPTED = states.ServedSessionState.ACCEPTED.value
+    RUNNING = states.ServedSessionState.RUNNING.value
+    COMPLETED = states.ServedSessionState.COMPLETED.value
+    SUPERSEDED = states.ServedSessionState.SUPERSEDED.value
+    FAILED = states.ServedSessionState.FAILED.value
 
 
 class ServedSession(models.Model):
@@ -314,9 +312,9 @@ class ServedSession(models.Model):
 class MovePhase(models.TextChoices):
     """Transitions follow ``kvsp.states.RESHARD_PHASES``."""
 
-    PREPARING = ReshardPhase.PREPARING.value
-    COMMITTED = ReshardPhase.COMMITTED.value
-    ABORTED = ReshardPhase.ABORTED.value
+    PREPARING = states.ReshardPhase.PREPARING.value
+    COMMITTED = states.ReshardPhase.COMMITTED.value
+    ABORTED = states.ReshardPhase.ABORTED.value
 
 
 class ReshardMove(models.Model):

@@ -69,7 +69,7 @@ def _clear_for_new_try(
     if latest.phase == MovePhase.COMMITTED:
         raise _late(map_id, to_version, "is committed here")
     if latest.phase == MovePhase.PREPARING:
-        latest.phase = MovePhase.ABORTED
+        latest.phase = RESHARD_PHASES.next_state(latest.phase, ReshardEvent.ABORT)
         latest.decided_at = latest.finished_at = now
         latest.save(update_fields=["phase", "decided_at", "finished_at"])
         notices.announce(latest.notice_channel)
@@ -84,9 +84,9 @@ def _late(map_id: str, to_version: int, why: str) -> ProtocolError:
 
 
 def _decided_move(
-    name: str, map_id: str, to_version: int, attempt: int | None, phase: str
+    name: str, map_id: str, to_version: int, attempt: int | None, event: ReshardEvent
 ) -> tuple[ReshardMove, bool]:
-    """The try a commit or abort (``phase``) is about, locked; True when this node has no plan
+    """The try a commit or abort (``event``) is about, locked; True when this node has no plan
     of it and recorded it as decided, with nothing to do, so that the opposite decision
     arriving later is refused as the phases say."""
     tries = _tries_locked(name, map_id, to_version)
@@ -94,6 +94,7 @@ def _decided_move(
     if move is not None:
         return move, False
     now = timezone.now()
+    phase = RESHARD_PHASES.next_state(MovePhase.PREPARING, event)
     stopped = _clear_for_new_try(
         tries, attempt, map_id, to_version, now, older_ok=phase == MovePhase.ABORTED
     )
@@ -229,7 +230,7 @@ def do_commit_move(map_id: str, to_version: int, attempt: int | None = None) -> 
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.COMMITTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, ReshardEvent.COMMIT)
         if recorded:
             return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.COMMIT)
@@ -260,7 +261,7 @@ def do_abort_move(map_id: str, to_version: int, attempt: int | None = None) -> R
     name = selectors.node_name()
     with transaction.atomic():
         lock_node(name)
-        move, recorded = _decided_move(name, map_id, to_version, attempt, MovePhase.ABORTED)
+        move, recorded = _decided_move(name, map_id, to_version, attempt, ReshardEvent.ABORT)
         if recorded:
             return move
         phase = RESHARD_PHASES.next_state(move.phase, ReshardEvent.ABORT)

@@ -1,5 +1,5 @@
 """Sessions this instance serves (spec 6.8): the requests that start serving one, their rows, and
-the one table of their states.
+their changes of state (``kvsp.states.SERVED_SESSION_STATES``).
 
 Two requests start serving a session here:
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from enum import StrEnum
 from typing import Any
 
 from django.conf import settings
@@ -46,7 +45,7 @@ from kvsp.records import (
     Sampler,
     SessionCheckpoint,
 )
-from kvsp.states import TransitionTable
+from kvsp.states import SERVED_SESSION_STATES, ServedSessionEvent
 from kvspsite.celery import instance_queue
 from workers import instance, selectors
 from workers.models import (
@@ -54,7 +53,6 @@ from workers.models import (
     Node,
     NodeState,
     ServedSession,
-    ServedSessionState,
     SessionKind,
 )
 
@@ -64,35 +62,6 @@ GREEDY = "greedy"
 UINT32_LIMIT = 2**32
 # Names the prefetch directive a resume loads its blocks with: uuid5 of "session/epoch".
 RESUME_DIRECTIVE_NAMESPACE = uuid.UUID("5b0c7d1e-9a43-4f8e-8c21-6d4a2f0e7b93")
-
-
-class SessionEvent(StrEnum):
-    START = "start"  # the worker takes the row up
-    COMPLETE = "complete"  # the last output token is delivered
-    SUPERSEDE = "supersede"  # the PC answered with a higher epoch or another instance
-    FAIL = "fail"  # the instance could not go on
-
-
-SESSION_STATES = TransitionTable(
-    "served session",
-    ServedSessionState,
-    SessionEvent,
-    {
-        ServedSessionState.ACCEPTED: {
-            SessionEvent.START: ServedSessionState.RUNNING,
-            SessionEvent.SUPERSEDE: ServedSessionState.SUPERSEDED,
-            SessionEvent.FAIL: ServedSessionState.FAILED,
-        },
-        ServedSessionState.RUNNING: {
-            SessionEvent.COMPLETE: ServedSessionState.COMPLETED,
-            SessionEvent.SUPERSEDE: ServedSessionState.SUPERSEDED,
-            SessionEvent.FAIL: ServedSessionState.FAILED,
-        },
-        ServedSessionState.COMPLETED: {},
-        ServedSessionState.SUPERSEDED: {},
-        ServedSessionState.FAILED: {},
-    },
-)
 
 
 def _malformed(detail: str) -> ProtocolError:
@@ -491,20 +460,20 @@ def do_start(pk: int, node_epoch: int) -> bool:
     for a task delivered again."""
     with transaction.atomic():
         row = ServedSession.objects.select_for_update().filter(pk=pk).first()
-        if row is None or not SESSION_STATES.allows(row.state, SessionEvent.START):
+        if row is None or not SERVED_SESSION_STATES.allows(row.state, ServedSessionEvent.START):
             return False
-        row.state = SESSION_STATES.next_state(row.state, SessionEvent.START)
+        row.state = SERVED_SESSION_STATES.next_state(row.state, ServedSessionEvent.START)
         row.node_epoch = node_epoch
         row.started_at = timezone.now()
         row.save(update_fields=["state", "node_epoch", "started_at"])
     return True
 
 
-def do_finish(pk: int, event: SessionEvent, reason: str = "", **progress) -> str:
+def do_finish(pk: int, event: ServedSessionEvent, reason: str = "", **progress) -> str:
     """End a session here (completed, superseded or failed) with its last progress figures."""
     with transaction.atomic():
         row = ServedSession.objects.select_for_update().get(pk=pk)
-        row.state = SESSION_STATES.next_state(row.state, event)
+        row.state = SERVED_SESSION_STATES.next_state(row.state, event)
         row.reason = reason
         row.finished_at = timezone.now()
         for field, value in progress.items():

@@ -15,6 +15,8 @@ from kvsp.states import (
     INSTANCE_LIFECYCLE,
     REQUESTABLE_INSTANCE_STATES,
     RESHARD_PHASES,
+    SERVED_SESSION_STATES,
+    SESSION_STATES,
     DirectiveEvent,
     DirectiveStatus,
     EpochOutcome,
@@ -23,6 +25,10 @@ from kvsp.states import (
     InstanceState,
     ReshardEvent,
     ReshardPhase,
+    ServedSessionEvent,
+    ServedSessionState,
+    SessionEvent,
+    SessionState,
     TransitionTable,
     accept_epoch,
     next_session_epoch,
@@ -49,6 +55,24 @@ EXPECTED_DIRECTIVE = {
     ("pending", "deadline-expired"): "partial",
     ("pending", "load-failed"): "failed",
 }
+EXPECTED_SESSION = {
+    ("running", "delivered"): "completed",
+    ("running", "fail-over"): "resuming",
+    ("running", "nothing-to-resume"): "failed",
+    ("resuming", "resumed"): "running",
+    ("resuming", "delivered"): "completed",
+    ("resuming", "fail-over"): "resuming",
+    ("resuming", "nothing-to-resume"): "failed",
+    ("completed", "delivered"): "completed",
+}
+EXPECTED_SERVED_SESSION = {
+    ("accepted", "start"): "running",
+    ("accepted", "supersede"): "superseded",
+    ("accepted", "fail"): "failed",
+    ("running", "complete"): "completed",
+    ("running", "supersede"): "superseded",
+    ("running", "fail"): "failed",
+}
 EXPECTED_RESHARD = {
     ("preparing", "commit"): "committed",
     ("preparing", "abort"): "aborted",
@@ -59,6 +83,8 @@ EXPECTED_RESHARD = {
 MACHINES = [
     (INSTANCE_LIFECYCLE, InstanceState, InstanceEvent, EXPECTED_INSTANCE),
     (DIRECTIVE_STATES, DirectiveStatus, DirectiveEvent, EXPECTED_DIRECTIVE),
+    (SESSION_STATES, SessionState, SessionEvent, EXPECTED_SESSION),
+    (SERVED_SESSION_STATES, ServedSessionState, ServedSessionEvent, EXPECTED_SERVED_SESSION),
     (RESHARD_PHASES, ReshardPhase, ReshardEvent, EXPECTED_RESHARD),
 ]
 
@@ -111,6 +137,99 @@ def test_terminal_states():
     assert DIRECTIVE_STATES.terminal_states == {"partial", "complete", "failed"}
     assert INSTANCE_LIFECYCLE.terminal_states == frozenset()
     assert RESHARD_PHASES.terminal_states == frozenset()
+    assert SESSION_STATES.terminal_states == {"failed"}
+    assert SERVED_SESSION_STATES.terminal_states == {"completed", "superseded", "failed"}
+
+
+@given(st.data())
+def test_many_rows_change_together_only_where_the_table_allows(data):
+    # A conditional UPDATE applies an event to the rows in sources(event) and sets target(event):
+    # the same as asking next_state of each row, and nothing for a row in any other state.
+    table, states, events, expected = data.draw(st.sampled_from(MACHINES))
+    event = data.draw(st.sampled_from(list(events)))
+    allowed = {state for (state, on), _ in expected.items() if on == event.value}
+    assert table.sources(event) == allowed
+    assert table.sources(event.value) == allowed
+    targets = {next_state for (_, on), next_state in expected.items() if on == event.value}
+    if len(targets) == 1:
+        assert table.target(event) == targets.pop()
+        for state in allowed:
+            assert table.next_state(state, event) == table.target(event)
+    else:
+        with pytest.raises(ValueError, match="leads to"):
+            table.target(event)
+
+
+def test_the_bulk_changes_the_code_makes_have_one_target():
+    assert DIRECTIVE_STATES.sources("load-failed") == {"pending"}
+    assert DIRECTIVE_STATES.target("load-failed") == "failed"
+    assert SESSION_STATES.sources("fail-over") == {"running", "resuming"}
+    assert SESSION_STATES.target("fail-over") == "resuming"
+    # An instance's restart keeps each state but failed: no single UPDATE for it.
+    with pytest.raises(ValueError):
+        INSTANCE_LIFECYCLE.target("restarted")
+
+
+@given(st.data())
+def test_the_event_between_two_states(data):
+    table, states, events, expected = data.draw(st.sampled_from(MACHINES))
+    state = data.draw(st.sampled_from(list(states)))
+    reported = data.draw(st.sampled_from(list(states)))
+    leading = {on for (start, on), end in expected.items() if (start, end) == (state, reported)}
+    if leading:
+        event = table.event_between(state.value, reported.value)
+        assert event in leading
+        assert table.next_state(state, event) == reported
+    else:
+        with pytest.raises(ProtocolError) as caught:
+            table.event_between(state, reported)
+        assert caught.value.problem == "kvsp-invalid-state"
+        assert state.value in caught.value.detail and reported.value in caught.value.detail
+
+
+@pytest.mark.parametrize("junk", ["", "unknown", None, ["active"]])
+def test_the_event_between_unknown_states_is_refused(junk):
+    for pair in [(junk, "active"), ("active", junk)]:
+        with pytest.raises(ProtocolError) as caught:
+            INSTANCE_LIFECYCLE.event_between(*pair)
+        assert caught.value.problem == "kvsp-invalid-state"
+
+
+def test_a_node_follows_the_pcs_decisions_only_along_the_lifecycle():
+    # The PC's answer names a state; the node takes the event that leads there. Sleep comes
+    # only after draining, and a sleeping node does not go back to draining.
+    assert INSTANCE_LIFECYCLE.event_between("active", "draining") in {
+        InstanceEvent.SLEEP_ACCEPTED,
+        InstanceEvent.DRAIN,
+    }
+    assert INSTANCE_LIFECYCLE.event_between("draining", "sleeping") == InstanceEvent.DRAINED
+    assert INSTANCE_LIFECYCLE.event_between("sleeping", "active") == InstanceEvent.ACTIVATE
+    for state, decided in [("active", "sleeping"), ("sleeping", "draining")]:
+        with pytest.raises(ProtocolError, match=f"nothing leads from state '{state}'"):
+            INSTANCE_LIFECYCLE.event_between(state, decided)
+
+
+def test_spec_rules_of_sessions():
+    # 6.8: a session is resumed elsewhere from its latest checkpoint; one that ended is not.
+    assert SESSION_STATES.sources(SessionEvent.FAIL_OVER) == {"running", "resuming"}
+    assert not SESSION_STATES.allows("completed", "fail-over")
+    assert not SESSION_STATES.allows("failed", "fail-over")
+    # Running again only once the instance it resumes on checkpoints under the new epoch.
+    into_running = {
+        (state, event)
+        for (state, event), next_state in EXPECTED_SESSION.items()
+        if next_state == "running"
+    }
+    assert into_running == {("resuming", "resumed")}
+    # Tokens posted again after the last one change nothing; a failed session takes none.
+    assert SESSION_STATES.next_state("completed", "delivered") == "completed"
+    with pytest.raises(ProtocolError, match="'delivered' is not allowed in state 'failed'"):
+        SESSION_STATES.next_state("failed", "delivered")
+    # A served session is taken up once, and ends once.
+    with pytest.raises(ProtocolError, match="'start' is not allowed in state 'running'"):
+        SERVED_SESSION_STATES.next_state("running", "start")
+    with pytest.raises(ProtocolError, match="'fail' is not allowed in state 'completed'"):
+        SERVED_SESSION_STATES.next_state("completed", "fail")
 
 
 def test_spec_rules_of_the_instance_lifecycle():

@@ -9,8 +9,11 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from placement.models import Instance, StatusSample
-from placement.services import do_mark_expired
+from kvsp.problems import ProtocolError
+from kvsp.states import DirectiveEvent
+from placement.delivery import finish_directive
+from placement.models import Directive, Instance, StatusSample
+from placement.services import do_change_state, do_mark_expired
 from tests.support.fixtures import (
     body,
     make_caller,
@@ -81,6 +84,43 @@ def test_expiry_fails_an_instance_and_its_old_epoch_cannot_come_back(ii1):
     assert late.status_code == 409
     assert Instance.objects.get().state == "failed"
     assert body(report(ii1, "ii1", status_record(URL, epoch=6))) == {"state": "active"}
+
+
+def test_a_failed_instance_is_not_woken_by_an_operator(ii1):
+    # Only a new incarnation comes back from failed (the lifecycle table): nothing is pushed.
+    with pytest.raises(ProtocolError) as caught:
+        do_change_state("ii1", "active")
+    assert caught.value.problem == "kvsp-invalid-state"
+    assert "'activate' is not allowed in state 'failed'" in caught.value.detail
+    instance = Instance.objects.get()
+    assert (instance.state, instance.state_version) == ("failed", 0)
+
+
+def directive_of(instance: Instance, **fields) -> Directive:
+    return Directive.objects.create(
+        instance=instance,
+        scope_id=bytes(16),
+        compat_id=bytes(32),
+        deadline_ms=1000,
+        lease_ms=1000,
+        **fields,
+    )
+
+
+def test_draining_fails_the_pending_directives_and_no_directive_ends_twice(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=1))
+    instance = Instance.objects.get()
+    pending = directive_of(instance)
+    complete = directive_of(instance, state="complete", loaded=["ab" * 32])
+    do_change_state("ii1", "draining")
+    pending.refresh_from_db()
+    complete.refresh_from_db()
+    assert (pending.state, pending.reason) == ("failed", "the instance is draining")
+    assert (complete.state, complete.reason, complete.loaded) == ("complete", "", ["ab" * 32])
+    # An instance's late answer about a directive that ended here changes nothing either.
+    finish_directive(pending.pk, DirectiveEvent.ALL_LOADED, loaded=["ab" * 32])
+    pending.refresh_from_db()
+    assert (pending.state, pending.loaded) == ("failed", [])
 
 
 def test_liveness_is_judged_on_the_controllers_clock(ii1):

@@ -205,6 +205,26 @@ def test_the_final_token_completes_the_session(cluster, node, session_id):
     assert body(node.get(f"/kvsp/sessions/{session_id}/output"))["complete"] is True
 
 
+def test_a_completed_session_takes_tokens_again_and_a_failed_one_takes_none(
+    cluster, node, session_id
+):
+    final = {"epoch": 1, "index": 0, "token": 1, "final": True}
+    put(node, session_id, checkpoint(cluster, session_id))
+    post(node, session_id, final)
+    again = post(node, session_id, final)
+    assert (again.status_code, body(again)["duplicates"]) == (200, [0])
+    assert Session.objects.get().state == "completed"
+    # Nothing leads out of failed: the token that would complete the session is refused, and
+    # nothing of its post is kept.
+    failed = str(uuid.uuid4())
+    put(node, failed, checkpoint(cluster, failed))
+    Session.objects.filter(session=failed).update(state="failed")
+    refused = post(node, failed, final)
+    assert (refused.status_code, problem_name(refused)) == (409, "kvsp-invalid-state")
+    assert Session.objects.get(session=failed).state == "failed"
+    assert not OutputToken.objects.filter(session__session=failed).exists()
+
+
 @pytest.mark.parametrize(
     "tokens",
     [[], {"epoch": 1, "index": -1, "token": 1}, {"epoch": 1, "index": 0}, ["x"], "tokens"],

@@ -10,6 +10,7 @@ from django.utils import timezone
 from placement.models import Instance
 from placement.services import do_mark_expired
 from sessions.models import Session
+from sessions.services import do_fail_over_instance_sessions, do_fail_over_session
 from tests.placement.conftest import HOLDER
 from tests.sessions.test_checkpoints_and_output import checkpoint
 from tests.support.fixtures import (
@@ -178,6 +179,34 @@ def test_a_session_left_on_a_failed_instance_is_moved_by_the_sweep(cluster, work
     assert resume["epoch"] == 2
     row = Session.objects.get()
     assert (row.instance.name, row.epoch, row.failovers) == ("b", 2, 1)
+
+
+def test_only_a_session_under_way_fails_over_and_one_without_a_checkpoint_fails():
+    instance = Instance.objects.create(name="a", url="http://a.test/kvsp/")
+    rows = {
+        state: Session.objects.create(
+            session=uuid.uuid4(),
+            scope_id=bytes(16),
+            compat_id=bytes(32),
+            instance=instance,
+            epoch=1,
+            state=state,
+        )
+        for state in ("running", "resuming", "completed", "failed")
+    }
+    # Nothing to resume from: the sessions under way fail, and none moves.
+    assert do_fail_over_instance_sessions(instance.pk) == []
+    states = {state: Session.objects.get(pk=row.pk).state for state, row in rows.items()}
+    assert states == {
+        "running": "failed",
+        "resuming": "failed",
+        "completed": "completed",
+        "failed": "failed",
+    }
+    # A session that ended is not failed over (SESSION_STATES): its epoch stays.
+    for row in rows.values():
+        assert not do_fail_over_session(row.pk, failed_instance_id=instance.pk)
+    assert set(Session.objects.values_list("epoch", "failovers")) == {(1, 0)}
 
 
 @pytest.fixture
