@@ -603,8 +603,14 @@ def _thaw(value: Any) -> Any:
 # path and rule, as the hand-written records do.
 
 
-def _rule(description: str, **bounds: Any) -> msgspec.Meta:
-    return msgspec.Meta(description=description, **bounds)
+def _rule(description: str, schema: dict[str, Any] | None = None, **bounds: Any) -> msgspec.Meta:
+    """A member's bounds, checked by msgspec, and the rule a value that breaks them is told.
+
+    ``schema`` adds to the member's JSON Schema what ``__post_init__`` checks instead of msgspec
+    (a hex pattern is checked for every identifier of a record in one pass, faster than a
+    regular expression per member), so that the OpenAPI description states it too.
+    """
+    return msgspec.Meta(description=description, extra_json_schema=schema, **bounds)
 
 
 class _BrokenRule(InvalidRecord, ValueError):
@@ -707,15 +713,92 @@ def _decode(cls: type[S], obj: object, bounded: Mapping[str, int] | None = None)
 
 S = TypeVar("S", bound=msgspec.Struct)
 
+
+class WireRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the records defined as msgspec structs share: ``from_json`` bounds the arrays named
+    by ``_array_bounds`` and decodes; ``to_json`` is the struct's members in their order, an
+    optional member at its default (absent, or null) left out. A record whose JSON differs
+    from that (a member always present, even null) says so in its own ``to_json``."""
+
+    NAME: ClassVar[str] = "record"
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _decode(cls, obj, cls._array_bounds(limits))
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        """The most entries each array member may have, checked before any entry is."""
+        return {}
+
+    def to_json(self) -> dict[str, Any]:
+        return _with_lists(msgspec.to_builtins(self), _list_members(type(self)))
+
+
+# msgspec.to_builtins keeps a record's tuples; a JSON-ready dict has lists, as JSON decodes to.
+_Lister = Callable[[Any], Any]
+
+
+def _with_lists(members: dict[str, Any], listers: tuple[tuple[str, _Lister], ...]) -> dict:
+    for name, lister in listers:
+        value = members.get(name)
+        if value is not None:
+            members[name] = lister(value)
+    return members
+
+
+@functools.cache
+def _list_members(cls: type) -> tuple[tuple[str, _Lister], ...]:
+    """(JSON name, what makes lists of its tuples) for each member of ``cls`` holding some."""
+    found = ((f.encode_name, _lister(f.type)) for f in _type_info(cls).fields)
+    return tuple((name, lister) for name, lister in found if lister is not None)
+
+
+def _lister(info: Any) -> _Lister | None:
+    info = _unwrapped(info)
+    if isinstance(info, msgspec.inspect.StructType):
+        inner = _list_members(info.cls)
+        return (lambda members: _with_lists(members, inner)) if inner else None
+    if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.TupleType):
+        items = getattr(info, "item_types", None) or (info.item_type,)
+        item = _lister(items[0]) if all(t == items[0] for t in items) else None
+        if item is None:
+            return list
+        return lambda values: [item(value) for value in values]
+    return None
+
+
 _HEX16_RULE = "must be hex16: 32 lowercase hex digits"
 _HEX32_RULE = "must be hex32: 64 lowercase hex digits"
 _DIGEST_RULE = 'must be "sha-256:" followed by 64 lowercase hex digits'
 _NAMESPACE_RULE = "must be unpadded base64url of five length-prefixed namespace fields"
-Hex16 = Annotated[str, _rule(_HEX16_RULE, min_length=32, max_length=32)]
-Hex32 = Annotated[str, _rule(_HEX32_RULE, min_length=64, max_length=64)]
-Digest = Annotated[str, _rule(_DIGEST_RULE, min_length=72, max_length=72)]
+Hex16 = Annotated[
+    str, _rule(_HEX16_RULE, {"pattern": "^[0-9a-f]{32}$"}, min_length=32, max_length=32)
+]
+Hex32 = Annotated[
+    str, _rule(_HEX32_RULE, {"pattern": "^[0-9a-f]{64}$"}, min_length=64, max_length=64)
+]
+Digest = Annotated[
+    str,
+    _rule(
+        _DIGEST_RULE, {"pattern": f"^{DIGEST_PREFIX}[0-9a-f]{{64}}$"}, min_length=72, max_length=72
+    ),
+]
 LayerIndex = Annotated[
     int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)
+]
+# URLs are checked in __post_init__ (``holder_url_rule_broken``, ``base_url_rule_broken``); the
+# schema states the part of their rules a pattern can.
+HolderUrl = Annotated[
+    str,
+    _rule(
+        "must be a URL string",
+        {"maxLength": MAX_URL_LENGTH, "pattern": "^(https?://[^/]+/.*/|moqt://[^/]+.*)$"},
+    ),
+]
+BaseUrl = Annotated[
+    str,
+    _rule("must be a URL string", {"maxLength": MAX_URL_LENGTH, "pattern": "^https?://[^/]+/.*/$"}),
 ]
 _RATE_RULE = f"must be a number greater than 0 and at most {MAX_SAFE_INTEGER}"
 Rate = (
@@ -737,7 +820,7 @@ def _lower_hex(value: str) -> bytes | None:
 # --- Replica Record (4.4) ---------------------------------------------------------------------
 
 
-class ResidencyEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+class ResidencyEntry(WireRecord, frozen=True):
     """Which layers of a replica reside in one tier, and how fast the holder reads that tier."""
 
     NAME: ClassVar[str] = "residency entry"
@@ -762,16 +845,6 @@ class ResidencyEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     def layer_count(self) -> int:
         return self.layers[1] - self.layers[0] + 1
 
-    @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _decode(cls, obj)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"tier": self.tier, "layers": list(self.layers)}
-        if self.read_mbit_per_s is not None:
-            out["read_mbit_per_s"] = self.read_mbit_per_s
-        return out
-
 
 @functools.cache
 def _batch_body_type(member: str) -> type:
@@ -780,7 +853,7 @@ def _batch_body_type(member: str) -> type:
     )
 
 
-class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+class ReplicaRecord(WireRecord, frozen=True, kw_only=True):
     """A replica of one block at one holder (4.4, 6.1).
 
     ``residency`` is required and non-empty: a holder always knows where it keeps a replica, and
@@ -796,12 +869,16 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     block_key: Hex32
     compat_id: Hex32
     scope_id: Hex16
-    holder: Annotated[str, _rule("must be a URL string")]
+    holder: HolderUrl
     codec: Annotated[int, _rule(f"must be an integer from 1 to {UINT16_MAX}", ge=1, le=UINT16_MAX)]
     size: Annotated[
         int, _rule(f"must be an integer from 0 to {MAX_SAFE_INTEGER}", ge=0, le=MAX_SAFE_INTEGER)
     ]
     digest: Digest
+    layer_digests: (
+        Annotated[tuple[Hex32, ...], _rule("must be a non-empty array of hex32", min_length=1)]
+        | None
+    ) = None
     residency: Annotated[
         tuple[ResidencyEntry, ...],
         _rule("must be a non-empty array of residency entries", min_length=1),
@@ -809,10 +886,6 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     ttl_ms: Annotated[
         int, _rule(f"must be an integer from 1 to {MAX_SAFE_INTEGER}", ge=1, le=MAX_SAFE_INTEGER)
     ]
-    layer_digests: (
-        Annotated[tuple[Hex32, ...], _rule("must be a non-empty array of hex32", min_length=1)]
-        | None
-    ) = None
     moqt_namespace: Annotated[str, _rule(_NAMESPACE_RULE)] | None = None
 
     def __post_init__(self) -> None:
@@ -880,9 +953,8 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
         raise AssertionError("the joined hex was wrong, so one of its parts is")
 
     @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        bound = limits.max_layers
-        return _decode(cls, obj, {"layer_digests": bound, "residency": bound})
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"layer_digests": limits.max_layers, "residency": limits.max_layers}
 
     @classmethod
     def batch_from_body(
@@ -901,24 +973,6 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
             if len(record.residency) > bound or len(record.layer_digests or ()) > bound:
                 return None
         return records
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "block_key": self.block_key,
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "holder": self.holder,
-            "codec": self.codec,
-            "size": self.size,
-            "digest": self.digest,
-        }
-        if self.layer_digests is not None:
-            out["layer_digests"] = list(self.layer_digests)
-        out["residency"] = [entry.to_json() for entry in self.residency]
-        out["ttl_ms"] = self.ttl_ms
-        if self.moqt_namespace is not None:
-            out["moqt_namespace"] = self.moqt_namespace
-        return out
 
     def with_ttl(self, ttl_ms: int) -> ReplicaRecord:
         """The same record with another ``ttl_ms`` (the IS caps it at its maximum, 6.1)."""
@@ -1356,14 +1410,14 @@ class LookupRequest(Record):
 TokenId = Annotated[int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)]
 
 
-class PlacementRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+class PlacementRequest(WireRecord, frozen=True):
     """POST CP placements (DESIGN.md section 3): a prompt of at least one token to place."""
 
     NAME: ClassVar[str] = "placement request"
 
     scope_id: Hex16
     compat_id: Hex32
-    tokens: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids")]
+    tokens: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids", {"minItems": 1})]
     request_ref: (
         Annotated[
             str,
@@ -1384,18 +1438,8 @@ class PlacementRequest(msgspec.Struct, frozen=True, omit_defaults=True):
             _broken(("tokens",), "must not be empty")
 
     @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _decode(cls, obj, {"tokens": limits.max_tokens})
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "scope_id": self.scope_id,
-            "compat_id": self.compat_id,
-            "tokens": list(self.tokens),
-        }
-        if self.request_ref is not None:
-            out["request_ref"] = self.request_ref
-        return out
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"tokens": limits.max_tokens}
 
 
 # --- Prefetch directive and its state (6.5, DESIGN.md section 3) ------------------------------
@@ -1538,7 +1582,7 @@ class DirectiveState(Record):
 # --- Leases (6.6) -----------------------------------------------------------------------------
 
 
-class BlockBatchRequest(msgspec.Struct, frozen=True):
+class BlockBatchRequest(WireRecord, frozen=True):
     """POST {holder}blocks/{compat}/{scope}: the blocks of one compat and scope that a client
     retrieves in one request, in the order it wants them (an extension of 6.7; each block comes
     back as the part a GET of its resource would answer, README "Blocks in batches"). Keys are
@@ -1547,7 +1591,8 @@ class BlockBatchRequest(msgspec.Struct, frozen=True):
     NAME: ClassVar[str] = "block batch request"
 
     block_keys: Annotated[
-        tuple[Hex32, ...], _rule("must be a non-empty array of block keys", min_length=1)
+        tuple[Hex32, ...],
+        _rule("must be a non-empty array of block keys", {"uniqueItems": True}, min_length=1),
     ]
 
     def __post_init__(self) -> None:
@@ -1565,9 +1610,6 @@ class BlockBatchRequest(msgspec.Struct, frozen=True):
         if isinstance(keys, list) and len(keys) > limits.max_block_keys:
             _fail(("block_keys",), f"has more than {limits.max_block_keys} entries")
         return _decode(cls, obj)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"block_keys": list(self.block_keys)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """The OpenAPI description of both roles' API: request and response schemas in one table.
 
 The views validate with the protocol core (``kvsp.records``), not with serializers, so
-drf-spectacular cannot infer bodies; this module states them. ``describe`` is a
+drf-spectacular cannot infer bodies. The schemas of the records that are msgspec structs are
+generated from their types (``RECORD_TYPES``), so the description and the decoder share one
+definition; this module states the others (answers, envelopes). ``describe`` is a
 drf-spectacular postprocessing hook that puts each operation's request body, header and query
 parameters, responses and links in place from ``OPERATIONS``, ``PARAMETERS`` and ``LINKS``,
 declares the bearer scheme, and gives every error response the problem-details schema. Each
@@ -13,9 +15,12 @@ as overlapping ranges or a reshard plan whose ``to`` is not ``from + 1``).
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
-from kvsp.records import MAX_REQUEST_REF_LENGTH
+from kvsp.records import BlockBatchRequest, PlacementRequest, ReplicaRecord
 from kvsp.sharding import MAX_DEADLINE_MS
 
 JSON_TYPES = ("application/kvsp+json", "application/json")
@@ -47,6 +52,63 @@ _RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS
 _ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
 # OpenAPI 3.0 spells an exclusive bound as a flag on the bound.
 _POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+
+
+# The records whose schemas are generated from their types; the structs they nest come along.
+RECORD_TYPES = (ReplicaRecord, PlacementRequest, BlockBatchRequest)
+
+
+def record_schemas(types: tuple[type, ...]) -> dict[str, dict]:
+    """The component schemas of ``types`` (msgspec structs) and of the structs they nest."""
+    _, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    return {name: _openapi_30(schema) for name, schema in components.items()}
+
+
+def _openapi_30(schema: Any) -> Any:
+    """A JSON Schema as msgspec writes it (draft 2020-12) in the dialect of OpenAPI 3.0, which
+    drf-spectacular describes: a null alternative becomes ``nullable`` (an optional member that
+    is null counts as absent), an integer-or-number alternative a number, a numeric exclusive
+    bound the 3.0 flag beside its bound, and a fixed-length tuple an array of its item type."""
+    if isinstance(schema, list):
+        return [_openapi_30(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "properties":
+            out[key] = {name: _openapi_30(member) for name, member in value.items()}
+        elif key == "title" or (key == "default" and value is None):
+            continue
+        else:
+            out[key] = _openapi_30(value)
+    choices = out.pop("anyOf", None)
+    if choices is not None:
+        out = _without_null_choice(choices, out)
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        value = out.get(exclusive)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[bound], out[exclusive] = value, True
+    prefix = out.pop("prefixItems", None)
+    if prefix is not None:
+        same = all(item == prefix[0] for item in prefix)
+        out["items"] = prefix[0] if same else {"anyOf": prefix}
+    return out
+
+
+def _without_null_choice(choices: list[dict], schema: dict) -> dict:
+    nullable = {"type": "null"} in choices
+    choices = [choice for choice in choices if choice != {"type": "null"}]
+    if {choice.get("type") for choice in choices} == {"integer", "number"}:
+        choices = [choice for choice in choices if choice["type"] == "number"]
+    if len(choices) != 1:
+        schema["anyOf"] = choices
+    elif "$ref" in choices[0]:
+        schema["allOf"] = choices  # OpenAPI 3.0 ignores what stands beside a $ref
+    else:
+        schema = {**choices[0], **schema}
+    return _nullable(schema) if nullable else schema
 
 
 def _nullable(schema: dict) -> dict:
@@ -113,43 +175,6 @@ SCHEMAS = {
             "positional",
             "block_tokens",
             "layout",
-        ],
-    ),
-    "ReplicaRecord": _object(
-        {
-            "block_key": _hex(32),
-            "compat_id": _hex(32),
-            "scope_id": _hex(16),
-            "holder": {"type": "string", "maxLength": 2000},
-            "codec": {"type": "integer", "minimum": 1, "maximum": 65535},
-            "size": _INT,
-            "digest": {"type": "string", "pattern": "^sha-256:[0-9a-f]{64}$"},
-            "layer_digests": {"type": "array", "items": _hex(32)},
-            "residency": {
-                "type": "array",
-                "minItems": 1,
-                "items": _object(
-                    {
-                        "tier": {"type": "string"},
-                        "layers": _RANGE,
-                        "read_mbit_per_s": _POSITIVE_NUMBER,
-                    },
-                    ["tier", "layers"],
-                ),
-            },
-            "ttl_ms": _POSITIVE,
-            "moqt_namespace": {"type": "string"},
-        },
-        [
-            "block_key",
-            "compat_id",
-            "scope_id",
-            "holder",
-            "codec",
-            "size",
-            "digest",
-            "residency",
-            "ttl_ms",
         ],
     ),
     "Replicas": _object(
@@ -321,15 +346,6 @@ SCHEMAS = {
     "Instances": _object(
         {"instances": {"type": "array", "items": _ref("Instance")}}, ["instances"]
     ),
-    "PlacementRequest": _object(
-        {
-            "scope_id": _hex(16),
-            "compat_id": _hex(32),
-            "tokens": {"type": "array", "items": _TOKEN},
-            "request_ref": {"type": "string", "maxLength": MAX_REQUEST_REF_LENGTH},
-        },
-        ["scope_id", "compat_id", "tokens"],
-    ),
     "PlacementAnswer": _object(
         {
             "instance": _URL,
@@ -490,18 +506,6 @@ SCHEMAS.update(
             **_BINARY,
             "description": "a KV Block Container (spec 4.3) holding every layer from layer 0",
         },
-        "BlockBatchRequest": _object(
-            {
-                "block_keys": {
-                    "type": "array",
-                    "items": _hex(32),
-                    "minItems": 1,
-                    "uniqueItems": True,
-                    "description": "at most KVSP_MAX_BATCH_BLOCKS (256 unless set): else 413",
-                },
-            },
-            ["block_keys"],
-        ),
         # One part per block asked for, in order: the container (Content-Type
         # application/kvsp-block, Content-Length, Repr-Digest) or the block's problem details;
         # each part names its block resource in Content-Location (README "Blocks in batches").
@@ -677,6 +681,8 @@ SCHEMAS.update(
         ),
     }
 )
+
+SCHEMAS.update(record_schemas(RECORD_TYPES))
 
 _BLOCK = "/kvsp/blocks/{compat_id}/{scope_id}/{block_key}"
 
