@@ -39,9 +39,9 @@ import hmac
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, NoReturn, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, NoReturn, Self, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 import msgspec
@@ -807,6 +807,48 @@ Rate = (
 )
 
 
+PositiveInt = Annotated[
+    int, _rule(f"must be an integer from 1 to {MAX_SAFE_INTEGER}", ge=1, le=MAX_SAFE_INTEGER)
+]
+Count = Annotated[
+    int, _rule(f"must be an integer from 0 to {MAX_SAFE_INTEGER}", ge=0, le=MAX_SAFE_INTEGER)
+]
+Text = Annotated[str, _rule("must be a string", {"maxLength": MAX_TEXT_LENGTH})]
+Uuid = Annotated[str, _rule("must be a UUID: 8-4-4-4-12 hex digits", {"format": "uuid"})]
+Segment = Annotated[
+    str,
+    _rule("must be 1 to 128 characters from A-Z a-z 0-9 . _ ~ -", pattern=f"^{_SEGMENT.pattern}$"),
+]
+
+
+def _choice_rule(choices: Iterable[str]) -> str:
+    return "must be one of " + ", ".join(sorted(f'"{c}"' for c in choices))
+
+
+def _rules(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A struct's ``__post_init__`` written with the ``_check_*`` functions: a rule they find
+    broken is raised as ``_BrokenRule``, so that msgspec adds the path of a nested struct."""
+
+    @functools.wraps(post_init)
+    def checked(self: Any) -> None:
+        try:
+            post_init(self)
+        except _BrokenRule:
+            raise
+        except InvalidRecord as error:
+            raise _BrokenRule(error.path, error.message, error.related) from None
+
+    return checked
+
+
+def _lowered(obj: object, member: str) -> object:
+    """``obj`` with ``member`` in lowercase when it is a string (a UUID is taken in either
+    case and kept in lowercase)."""
+    if isinstance(obj, dict) and isinstance(obj.get(member), str):
+        return {**obj, member: obj[member].lower()}
+    return obj
+
+
 def _lower_hex(value: str) -> bytes | None:
     """The octets of ``value`` when it is lowercase hex, else None."""
     try:
@@ -1355,27 +1397,22 @@ class SessionCheckpoint(Record):
 # --- Lookup (6.2) and placement (6.4) requests ------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class LookupRequest(Record):
+class LookupRequest(WireRecord, frozen=True):
     """POST {is-base}lookup (6.2). ``block_keys`` may be empty (a prompt shorter than a block)."""
 
     NAME: ClassVar[str] = "lookup request"
 
-    scope_id: str
-    compat_id: str
-    block_keys: tuple[str, ...]
-    targets: tuple[str, ...] | None = None
+    scope_id: Hex16
+    compat_id: Hex32
+    block_keys: Annotated[tuple[Hex32, ...], _rule("must be an array of block keys")]
+    targets: (
+        Annotated[
+            tuple[BaseUrl, ...], _rule("must be an array of instance URLs", {"uniqueItems": True})
+        ]
+        | None
+    ) = None
 
-    @classmethod
-    def from_json(
-        cls, obj: object, limits: Limits = DEFAULT_LIMITS, *, max_keys: int | None = None
-    ) -> Self:
-        """As ``Record.from_json``; ``max_keys``, when given, bounds ``block_keys`` instead of
-        ``limits.max_block_keys``."""
-        if max_keys is not None:
-            limits = dataclasses.replace(limits, max_block_keys=max_keys)
-        return super(LookupRequest, cls).from_json(obj, limits)
-
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.scope_id, ("scope_id",), 16)
         _check_hex(self.compat_id, ("compat_id",), 32)
@@ -1386,25 +1423,18 @@ class LookupRequest(Record):
             _check_unique(self.targets, ("targets",), lambda t: t)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            scope_id=_required(obj, "scope_id"),
-            compat_id=_required(obj, "compat_id"),
-            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
-            targets=_optional(
-                obj, "targets", lambda v: _array(v, ("targets",), limits.max_targets)
-            ),
-        )
+    def from_json(
+        cls, obj: object, limits: Limits = DEFAULT_LIMITS, *, max_keys: int | None = None
+    ) -> Self:
+        """As ``WireRecord.from_json``; ``max_keys``, when given, bounds ``block_keys`` instead
+        of ``limits.max_block_keys``."""
+        if max_keys is not None:
+            limits = dataclasses.replace(limits, max_block_keys=max_keys)
+        return _decode(cls, obj, cls._array_bounds(limits))
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "scope_id": self.scope_id,
-            "compat_id": self.compat_id,
-            "block_keys": list(self.block_keys),
-        }
-        if self.targets is not None:
-            out["targets"] = list(self.targets)
-        return out
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"block_keys": limits.max_block_keys, "targets": limits.max_targets}
 
 
 TokenId = Annotated[int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)]
@@ -1445,48 +1475,47 @@ class PlacementRequest(WireRecord, frozen=True):
 # --- Prefetch directive and its state (6.5, DESIGN.md section 3) ------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class DirectiveBlock(Record):
+class DirectiveBlock(WireRecord, frozen=True):
     """One block of a prefetch directive and the holders to load it from, preferred first."""
 
     NAME: ClassVar[str] = "directive block"
 
-    block_key: str
-    sources: tuple[str, ...]
+    block_key: Hex32
+    sources: Annotated[
+        tuple[HolderUrl, ...],
+        _rule("must be an array of holder URLs", {"minItems": 1, "uniqueItems": True}),
+    ]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.block_key, ("block_key",), 32)
         _check_tuple(self.sources, ("sources",), non_empty=True)
         _check_each(self.sources, ("sources",), _check_holder)
         _check_unique(self.sources, ("sources",), lambda s: s)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            block_key=_required(obj, "block_key"),
-            sources=_array(_required(obj, "sources"), ("sources",), limits.max_sources),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"block_key": self.block_key, "sources": list(self.sources)}
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchDirective(Record):
+class PrefetchDirective(WireRecord, frozen=True, kw_only=True):
     """POST {ii-base}prefetch (6.5). ``layer_order`` defaults to "ascending", the only order."""
 
     NAME: ClassVar[str] = "prefetch directive"
 
-    directive: str
-    scope_id: str
-    compat_id: str
-    blocks: tuple[DirectiveBlock, ...]
-    deadline_ms: int
-    lease_ms: int
-    request_ref: str | None = None
-    layer_order: str = "ascending"
+    directive: Uuid
+    request_ref: Text | None = None
+    scope_id: Hex16
+    compat_id: Hex32
+    blocks: Annotated[
+        tuple[DirectiveBlock, ...],
+        _rule("must be an array of directive blocks", {"minItems": 1}),
+    ]
+    # Absent or null, the only order there is; the record always states it.
+    layer_order: Annotated[Literal[LAYER_ORDERS], _rule(_choice_rule(LAYER_ORDERS))] | None = None
+    deadline_ms: PositiveInt
+    lease_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
+        if self.layer_order is None:
+            msgspec.structs.force_setattr(self, "layer_order", LAYER_ORDERS[0])
         _check_uuid(self.directive, ("directive",))
         if self.request_ref is not None:
             _check_text(self.request_ref, ("request_ref",))
@@ -1506,53 +1535,38 @@ class PrefetchDirective(Record):
         return tuple(block.block_key for block in self.blocks)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            directive=_lower(_required(obj, "directive")),
-            request_ref=_optional(obj, "request_ref"),
-            scope_id=_required(obj, "scope_id"),
-            compat_id=_required(obj, "compat_id"),
-            blocks=_nested_list(
-                DirectiveBlock,
-                _required(obj, "blocks"),
-                ("blocks",),
-                limits.max_block_keys,
-                limits,
-            ),
-            layer_order=_default(_optional(obj, "layer_order"), "ascending"),
-            deadline_ms=_required(obj, "deadline_ms"),
-            lease_ms=_required(obj, "lease_ms"),
-        )
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        blocks = obj.get("blocks") if isinstance(obj, dict) else None
+        if isinstance(blocks, list) and len(blocks) <= limits.max_block_keys:
+            for index, block in enumerate(blocks):
+                sources = block.get("sources") if isinstance(block, dict) else None
+                if isinstance(sources, list) and len(sources) > limits.max_sources:
+                    _fail(
+                        ("blocks", index, "sources"),
+                        f"has {len(sources)} entries; at most {limits.max_sources} are accepted",
+                    )
+        return _decode(cls, _lowered(obj, "directive"), cls._array_bounds(limits))
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"directive": self.directive}
-        if self.request_ref is not None:
-            out["request_ref"] = self.request_ref
-        out.update(
-            {
-                "scope_id": self.scope_id,
-                "compat_id": self.compat_id,
-                "blocks": [block.to_json() for block in self.blocks],
-                "layer_order": self.layer_order,
-                "deadline_ms": self.deadline_ms,
-                "lease_ms": self.lease_ms,
-            }
-        )
-        return out
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"blocks": limits.max_block_keys}
 
 
-@dataclass(frozen=True, slots=True)
-class DirectiveState(Record):
+class DirectiveState(WireRecord, frozen=True, omit_defaults=False):
     """GET {ii-base}prefetch/{directive} (6.5, DESIGN.md section 3): the state, the keys loaded
-    so far in prefix order, and a reason (for "partial" and "failed"; null otherwise)."""
+    so far in prefix order, and a reason (for "partial" and "failed"; null otherwise, and
+    always present)."""
 
     NAME: ClassVar[str] = "directive state"
 
-    directive: str
-    state: str
-    loaded: tuple[str, ...]
-    reason: str | None = None
+    directive: Uuid
+    state: Annotated[str, _rule(_choice_rule(DirectiveStatus), {"enum": sorted(DirectiveStatus)})]
+    loaded: Annotated[
+        tuple[Hex32, ...], _rule("must be an array of block keys", {"uniqueItems": True})
+    ]
+    reason: Text | None = None
 
+    @_rules
     def __post_init__(self) -> None:
         _check_uuid(self.directive, ("directive",))
         _check_choice(self.state, ("state",), frozenset(DirectiveStatus))
@@ -1562,21 +1576,12 @@ class DirectiveState(Record):
             _check_text(self.reason, ("reason",))
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            directive=_lower(_required(obj, "directive")),
-            state=_required(obj, "state"),
-            loaded=_array(_required(obj, "loaded"), ("loaded",), limits.max_block_keys),
-            reason=_optional(obj, "reason"),
-        )
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _decode(cls, _lowered(obj, "directive"), cls._array_bounds(limits))
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directive": self.directive,
-            "state": self.state,
-            "loaded": list(self.loaded),
-            "reason": self.reason,
-        }
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"loaded": limits.max_block_keys}
 
 
 # --- Leases (6.6) -----------------------------------------------------------------------------
@@ -1612,8 +1617,10 @@ class BlockBatchRequest(WireRecord, frozen=True):
         return _decode(cls, obj)
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseRequest(Record):
+_BLOCK_KEYS_RULE = _rule("must be an array of block keys", {"minItems": 1, "uniqueItems": True})
+
+
+class LeaseRequest(WireRecord, frozen=True):
     """POST {holder}leases (6.6).
 
     Besides the block keys and ``ttl_ms`` the spec names, the request carries ``compat_id`` and
@@ -1623,11 +1630,12 @@ class LeaseRequest(Record):
 
     NAME: ClassVar[str] = "lease request"
 
-    compat_id: str
-    scope_id: str
-    block_keys: tuple[str, ...]
-    ttl_ms: int
+    compat_id: Hex32
+    scope_id: Hex16
+    block_keys: Annotated[tuple[Hex32, ...], _BLOCK_KEYS_RULE]
+    ttl_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.compat_id, ("compat_id",), 32)
         _check_hex(self.scope_id, ("scope_id",), 16)
@@ -1636,44 +1644,23 @@ class LeaseRequest(Record):
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            compat_id=_required(obj, "compat_id"),
-            scope_id=_required(obj, "scope_id"),
-            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
-            ttl_ms=_required(obj, "ttl_ms"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "block_keys": list(self.block_keys),
-            "ttl_ms": self.ttl_ms,
-        }
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"block_keys": limits.max_block_keys}
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseRenewal(Record):
+class LeaseRenewal(WireRecord, frozen=True):
     """PUT {holder}leases/{id} (6.6): the TTL asked for from now."""
 
     NAME: ClassVar[str] = "lease renewal"
 
-    ttl_ms: int
+    ttl_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(ttl_ms=_required(obj, "ttl_ms"))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"ttl_ms": self.ttl_ms}
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseGrant(Record):
+class LeaseGrant(WireRecord, frozen=True):
     """A holder's answer to a lease request or renewal (6.6).
 
     ``lease`` is the identifier (one URL path segment), ``ttl_ms`` the TTL granted, which the
@@ -1683,13 +1670,14 @@ class LeaseGrant(Record):
 
     NAME: ClassVar[str] = "lease grant"
 
-    lease: str
-    compat_id: str
-    scope_id: str
-    block_keys: tuple[str, ...]
-    ttl_ms: int
-    expires_ms: int
+    lease: Segment
+    compat_id: Hex32
+    scope_id: Hex16
+    block_keys: Annotated[tuple[Hex32, ...], _BLOCK_KEYS_RULE]
+    ttl_ms: PositiveInt
+    expires_ms: Count
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.lease, ("lease",))
         _check_hex(self.compat_id, ("compat_id",), 32)
@@ -1700,25 +1688,8 @@ class LeaseGrant(Record):
         _check_int(self.expires_ms, ("expires_ms",))
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            lease=_required(obj, "lease"),
-            compat_id=_required(obj, "compat_id"),
-            scope_id=_required(obj, "scope_id"),
-            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
-            ttl_ms=_required(obj, "ttl_ms"),
-            expires_ms=_required(obj, "expires_ms"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "lease": self.lease,
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "block_keys": list(self.block_keys),
-            "ttl_ms": self.ttl_ms,
-            "expires_ms": self.expires_ms,
-        }
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"block_keys": limits.max_block_keys}
 
 
 # --- Delegated tokens (DESIGN.md section 6) ---------------------------------------------------

@@ -20,7 +20,17 @@ from typing import Any
 import msgspec
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
-from kvsp.records import BlockBatchRequest, PlacementRequest, ReplicaRecord
+from kvsp.records import (
+    BlockBatchRequest,
+    DirectiveState,
+    LeaseGrant,
+    LeaseRenewal,
+    LeaseRequest,
+    LookupRequest,
+    PlacementRequest,
+    PrefetchDirective,
+    ReplicaRecord,
+)
 from kvsp.sharding import MAX_DEADLINE_MS
 
 JSON_TYPES = ("application/kvsp+json", "application/json")
@@ -55,7 +65,17 @@ _POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
 
 
 # The records whose schemas are generated from their types; the structs they nest come along.
-RECORD_TYPES = (ReplicaRecord, PlacementRequest, BlockBatchRequest)
+RECORD_TYPES = (
+    ReplicaRecord,
+    LookupRequest,
+    PlacementRequest,
+    BlockBatchRequest,
+    LeaseRequest,
+    LeaseRenewal,
+    LeaseGrant,
+    PrefetchDirective,
+    DirectiveState,
+)
 
 
 def record_schemas(types: tuple[type, ...]) -> dict[str, dict]:
@@ -214,15 +234,6 @@ SCHEMAS = {
             }
         },
         ["results"],
-    ),
-    "LookupRequest": _object(
-        {
-            "scope_id": _hex(16),
-            "compat_id": _hex(32),
-            "block_keys": {"type": "array", "items": _hex(32)},
-            "targets": {"type": "array", "items": _URL},
-        },
-        ["scope_id", "compat_id", "block_keys"],
     ),
     "LookupAnswer": _object(
         {
@@ -493,8 +504,6 @@ SCHEMAS = {
 }
 
 _SEGMENT = {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"}
-_HOLDER = {"type": "string", "pattern": "^(https?://[^/]+/.*/|moqt://[^/]+.*)$", "maxLength": 2000}
-_DIRECTIVE_STATES = ["pending", "partial", "complete", "failed"]
 _BINARY = {"type": "string", "format": "binary"}
 
 # The node's messages (DESIGN.md section 3, "Node"). Where a view reads an optional member
@@ -510,73 +519,6 @@ SCHEMAS.update(
         # application/kvsp-block, Content-Length, Repr-Digest) or the block's problem details;
         # each part names its block resource in Content-Location (README "Blocks in batches").
         "BlockBatch": _BINARY,
-        "LeaseRequest": _object(
-            {
-                "compat_id": _hex(32),
-                "scope_id": _hex(16),
-                "block_keys": {
-                    "type": "array",
-                    "items": _hex(32),
-                    "minItems": 1,
-                    "maxItems": 131072,
-                    "uniqueItems": True,
-                },
-                "ttl_ms": _POSITIVE,
-            },
-            ["compat_id", "scope_id", "block_keys", "ttl_ms"],
-        ),
-        "LeaseRenewal": _object({"ttl_ms": _POSITIVE}, ["ttl_ms"]),
-        "LeaseGrant": _object(
-            {
-                "lease": _SEGMENT,
-                "compat_id": _hex(32),
-                "scope_id": _hex(16),
-                "block_keys": {"type": "array", "items": _hex(32), "minItems": 1},
-                "ttl_ms": _POSITIVE,
-                "expires_ms": _INT,
-            },
-            ["lease", "compat_id", "scope_id", "block_keys", "ttl_ms", "expires_ms"],
-        ),
-        "DirectiveBlock": _object(
-            {
-                "block_key": _hex(32),
-                "sources": {
-                    "type": "array",
-                    "items": _HOLDER,
-                    "minItems": 1,
-                    "maxItems": 64,
-                    "uniqueItems": True,
-                },
-            },
-            ["block_key", "sources"],
-        ),
-        "PrefetchDirective": _object(
-            {
-                "directive": {"type": "string", "format": "uuid"},
-                "request_ref": {"type": "string", "maxLength": 1024},
-                "scope_id": _hex(16),
-                "compat_id": _hex(32),
-                "blocks": {
-                    "type": "array",
-                    "items": _ref("DirectiveBlock"),
-                    "minItems": 1,
-                    "maxItems": 131072,
-                },
-                "layer_order": {"type": "string", "enum": ["ascending"]},
-                "deadline_ms": _POSITIVE,
-                "lease_ms": _POSITIVE,
-            },
-            ["directive", "scope_id", "compat_id", "blocks", "deadline_ms", "lease_ms"],
-        ),
-        "DirectiveState": _object(
-            {
-                "directive": {"type": "string", "format": "uuid"},
-                "state": {"type": "string", "enum": _DIRECTIVE_STATES},
-                "loaded": {"type": "array", "items": _hex(32)},
-                "reason": {"type": "string", "nullable": True},
-            },
-            ["directive", "state", "loaded", "reason"],
-        ),
         "GenerateSampler": {
             "type": "object",
             "properties": {
