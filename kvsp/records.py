@@ -1584,6 +1584,119 @@ class DirectiveState(WireRecord, frozen=True, omit_defaults=False):
         return {"loaded": limits.max_block_keys}
 
 
+# --- Requests that start serving a session on a node (6.8, DESIGN.md section 3) --------------
+
+# The member of ``sampler.params`` that carries a session's length. A Session Checkpoint (4.4) has
+# no member for the number of output tokens the session was asked for, yet the instance that
+# resumes it must stop where the first one would have: params reach the resuming instance
+# unchanged, and a sampler ignores the member (it changes no draw).
+MAX_TOKENS_PARAM = "max_tokens"
+GREEDY = "greedy"
+
+
+def session_sampler(method: object, params: object, seed: object, step: object) -> Sampler:
+    """The sampler member of a session's checkpoints (4.4), checked as the engine's samplers
+    check it: a registered method, its parameters, and no parameter the engine does not
+    implement (``max_tokens`` aside), since ignoring one would resume a different sampler."""
+    if not isinstance(params, Mapping):
+        _fail(("params",), "must be a JSON object")
+    record = Sampler(
+        method=method, params=params, seed=seed, step=step, deterministic=method == GREEDY
+    )
+    required, optional = SAMPLER_METHODS[record.method]
+    unknown = sorted(set(record.params) - set(required) - set(optional) - {MAX_TOKENS_PARAM})
+    if unknown:
+        _fail(("params",), f"method {record.method!r} here takes no {', '.join(unknown)}")
+    if MAX_TOKENS_PARAM in record.params:
+        _check_int(record.params[MAX_TOKENS_PARAM], ("params", MAX_TOKENS_PARAM), 1)
+    return record
+
+
+class GenerateSampler(WireRecord, frozen=True, omit_defaults=False):
+    """The sampler a generate request asks for: a method, its parameters (absent, none) and a
+    seed (absent, 0); the session's checkpoints carry it from step 0 (``record``)."""
+
+    NAME: ClassVar[str] = "sampler"
+
+    method: Annotated[str, _rule(_choice_rule(SAMPLER_METHODS), {"enum": sorted(SAMPLER_METHODS)})]
+    params: Annotated[dict[str, Any], _rule("must be a JSON object")] | None = None
+    # msgspec bounds integers within int64: the uint64 bound is the sampler's to check.
+    seed: (
+        Annotated[
+            int, _rule(f"must be an integer from 0 to {UINT64_MAX}", {"maximum": UINT64_MAX}, ge=0)
+        ]
+        | None
+    ) = None
+
+    @_rules
+    def __post_init__(self) -> None:
+        if self.params is None:
+            msgspec.structs.force_setattr(self, "params", {})
+        if self.seed is None:
+            msgspec.structs.force_setattr(self, "seed", 0)
+        self.record()
+
+    def record(self, step: int = 0) -> Sampler:
+        return session_sampler(self.method, self.params, self.seed, step)
+
+
+class GenerateRequest(WireRecord, frozen=True, kw_only=True):
+    """``POST II generate``, this implementation's own request (inference is outside the spec's
+    scope, 1.3): a new session from a prompt of token ids. ``sampler`` absent is greedy;
+    ``request_ref`` is that of the placement whose prefetch directive loads the prompt's blocks
+    (6.5). A body that is not an object, or a ``session`` that is not a UUID, is a malformed
+    request, not an invalid record: the node cannot name the session it would refuse."""
+
+    NAME: ClassVar[str] = "generate request"
+
+    session: Uuid
+    scope_id: Hex16
+    compat_id: Hex32
+    prompt: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids", {"minItems": 1})]
+    max_tokens: PositiveInt
+    sampler: GenerateSampler | None = None
+    request_ref: (
+        Annotated[
+            str,
+            _rule(
+                f"must be a string of 1 to {MAX_TEXT_LENGTH} characters",
+                min_length=1,
+                max_length=MAX_TEXT_LENGTH,
+            ),
+        ]
+        | None
+    ) = None
+
+    @_rules
+    def __post_init__(self) -> None:
+        if self.sampler is None:
+            msgspec.structs.force_setattr(self, "sampler", GenerateSampler(GREEDY))
+        _check_uuid(self.session, ("session",))
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_tuple(self.prompt, ("prompt",), non_empty=True)
+        _check_uint32_list(self.prompt, ("prompt",))
+        _check_int(self.max_tokens, ("max_tokens",), 1)
+        if not isinstance(self.sampler, GenerateSampler):
+            _fail(("sampler",), "must be a sampler object")
+        if MAX_TOKENS_PARAM in self.sampler.params:
+            _fail(
+                ("sampler", "params"),
+                f"give {MAX_TOKENS_PARAM} beside the sampler, not in it",
+            )
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        if not isinstance(obj, dict):
+            raise ProtocolError("kvsp-malformed-request", f"a {cls.NAME} must be a JSON object")
+        session = parse_uuid(obj.get("session"), "session", problem="kvsp-malformed-request")
+        return _decode(cls, {**obj, "session": str(session)}, cls._array_bounds(limits))
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"prompt": limits.max_tokens}
+
+
 # --- Leases (6.6) -----------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from kvsp.records import (
     BlockBatchRequest,
     DirectiveState,
+    GenerateRequest,
     LeaseGrant,
     LeaseRenewal,
     LeaseRequest,
@@ -75,6 +76,7 @@ RECORD_TYPES = (
     LeaseGrant,
     PrefetchDirective,
     DirectiveState,
+    GenerateRequest,
 )
 
 
@@ -507,8 +509,8 @@ _SEGMENT = {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"}
 _BINARY = {"type": "string", "format": "binary"}
 
 # The node's messages (DESIGN.md section 3, "Node"). Where a view reads an optional member
-# with a default instead of through ``kvsp.records`` (generate, resume), a null member is
-# refused, so those members are stated without ``nullable``.
+# with a default instead of through ``kvsp.records`` (resume), a null member is refused, so
+# those members are stated without ``nullable``.
 SCHEMAS.update(
     {
         "BlockContainer": {
@@ -519,30 +521,6 @@ SCHEMAS.update(
         # application/kvsp-block, Content-Length, Repr-Digest) or the block's problem details;
         # each part names its block resource in Content-Location (README "Blocks in batches").
         "BlockBatch": _BINARY,
-        "GenerateSampler": {
-            "type": "object",
-            "properties": {
-                "method": {
-                    "type": "string",
-                    "enum": ["greedy", "temperature", "top-k", "top-p", "min-p"],
-                },
-                "params": {"type": "object"},
-                "seed": {"type": "integer", "minimum": 0, "maximum": 18446744073709551615},
-            },
-            "required": ["method"],
-        },
-        "GenerateRequest": _object(
-            {
-                "session": {"type": "string", "format": "uuid"},
-                "scope_id": _hex(16),
-                "compat_id": _hex(32),
-                "prompt": {"type": "array", "items": _TOKEN, "minItems": 1, "maxItems": 2097152},
-                "max_tokens": _POSITIVE,
-                "sampler": _ref("GenerateSampler"),
-                "request_ref": {"type": "string", "minLength": 1, "maxLength": 1024},
-            },
-            ["session", "scope_id", "compat_id", "prompt", "max_tokens"],
-        ),
         "SessionAdmitted": _object(
             {
                 "session": {"type": "string", "format": "uuid"},

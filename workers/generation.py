@@ -59,7 +59,7 @@ from django.utils import timezone
 
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
-from kvsp.records import Sampler, SessionCheckpoint
+from kvsp.records import MAX_TOKENS_PARAM, GenerateRequest, Sampler, SessionCheckpoint
 from kvsp.timeline import StepTimer
 from kvspsite.peers import PeerUnreachable
 from workers import control, fetch, notices, services
@@ -445,7 +445,7 @@ class SessionRun:
     # -- the start of a generation and of a resume ----------------------------------------------
 
     def _begin_generation(self) -> None:
-        request = served.GenerateRequest.from_json(self.row.body)
+        request = GenerateRequest.from_json(self.row.body)
         engine, block_tokens = self.engine, self.engine.block_tokens
         scope_key = control.scope_key(self.scope_id)
         prompt = list(request.prompt)
@@ -486,7 +486,7 @@ class SessionRun:
             count=len(keys),
         )
         self.chain.extend(prompt[len(keys) * block_tokens :])
-        self.sampler = _token_sampler(request.sampler)
+        self.sampler = _token_sampler(request.sampler.record())
         self.max_tokens = request.max_tokens
         self.timer.lap("prompt")
 
@@ -692,7 +692,7 @@ class SessionRun:
     def _sampler_record(self) -> Sampler:
         record = self.sampler.to_record()
         params = dict(record.params.to_json())
-        params[served.MAX_TOKENS] = self.max_tokens
+        params[MAX_TOKENS_PARAM] = self.max_tokens
         return Sampler(
             method=record.method,
             params=params,

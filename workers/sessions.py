@@ -15,11 +15,8 @@ loaded the model, so the HTTP process never loads one. An accepted request is a 
 task on the instance's queue after (``workers.generation`` serves it); the same request sent
 again is the same row.
 
-The session's length. A Session Checkpoint (4.4) has no member for the number of output tokens
-the session was asked for, yet the instance that resumes it must stop where the first one would
-have. This implementation carries it in the checkpoint's ``sampler.params`` as ``max_tokens``:
-params reach the resuming instance unchanged, and a sampler ignores the member (it changes no
-draw).
+The session's length travels in the checkpoint's ``sampler.params`` as ``max_tokens``
+(``kvsp.records.MAX_TOKENS_PARAM`` says why).
 """
 
 from __future__ import annotations
@@ -38,13 +35,14 @@ from index.authz import may_read_scope
 from kvsp.hexids import is_hex, parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import (
-    DEFAULT_LIMITS,
-    SAMPLER_METHODS,
+    MAX_TOKENS_PARAM,
     DirectiveBlock,
+    GenerateRequest,
     InvalidRecord,
     PrefetchDirective,
     Sampler,
     SessionCheckpoint,
+    session_sampler,
 )
 from kvsp.states import TransitionTable
 from kvspsite.celery import instance_queue
@@ -58,10 +56,6 @@ from workers.models import (
     SessionKind,
 )
 
-# The member of sampler.params that carries the session's length (see the module docstring).
-MAX_TOKENS = "max_tokens"
-GREEDY = "greedy"
-UINT32_LIMIT = 2**32
 # Names the prefetch directive a resume loads its blocks with: uuid5 of "session/epoch".
 RESUME_DIRECTIVE_NAMESPACE = uuid.UUID("5b0c7d1e-9a43-4f8e-8c21-6d4a2f0e7b93")
 
@@ -115,104 +109,10 @@ def _positive_int(value: object, what: str) -> int:
     return value
 
 
-def _tokens(value: object, what: str, *, non_empty: bool) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise _invalid(f"{what}: an array of token ids")
-    if non_empty and not value:
-        raise _invalid(f"{what}: at least one token")
-    if len(value) > DEFAULT_LIMITS.max_tokens:
-        raise _invalid(f"{what}: at most {DEFAULT_LIMITS.max_tokens} tokens")
-    for position, token in enumerate(value):
-        if type(token) is not int or not 0 <= token < UINT32_LIMIT:
-            raise _invalid(f"{what}[{position}]: a token id (an unsigned 32-bit integer)")
-    return tuple(value)
-
-
-def session_sampler(
-    method: object, params: object, seed: object, step: int, *, what: str = "sampler"
-) -> Sampler:
-    """The sampler member of a session's checkpoints (4.4), checked as the engine's samplers
-    check it: a registered method, its parameters, and no parameter the engine does not
-    implement (``max_tokens`` aside), since ignoring one would resume a different sampler."""
-    if not isinstance(params, dict):
-        raise _invalid(f"{what}.params: a JSON object")
-    try:
-        record = Sampler(
-            method=method,
-            params=params,
-            seed=seed,
-            step=step,
-            deterministic=method == GREEDY,
-        )
-    except InvalidRecord as error:
-        raise error.within(what) from None
-    required, optional = SAMPLER_METHODS[record.method]
-    unknown = sorted(set(record.params) - set(required) - set(optional) - {MAX_TOKENS})
-    if unknown:
-        raise _invalid(
-            f"{what}.params: method {record.method!r} here takes no {', '.join(unknown)}"
-        )
-    if MAX_TOKENS in record.params:
-        _positive_int(record.params[MAX_TOKENS], f"{what}.params.{MAX_TOKENS}")
-    return record
-
-
 def split_max_tokens(sampler: Sampler) -> tuple[dict, int | None]:
     """The sampler's own params, and the session length carried beside them."""
     params = sampler.params.to_json()
-    return params, params.pop(MAX_TOKENS, None)
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """``POST II generate``: ``{"session", "scope_id", "compat_id", "prompt", "max_tokens",
-    "sampler": {"method", "params", "seed"}, "request_ref"}``; ``request_ref`` (optional) is
-    that of the placement whose prefetch directive loads the prompt's blocks (6.5)."""
-
-    session: str
-    scope_id: str
-    compat_id: str
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sampler: Sampler
-    request_ref: str | None
-
-    @classmethod
-    def from_json(cls, body: object) -> GenerateRequest:
-        body = _object(body, "the body")
-        session = str(parse_uuid(body.get("session"), "session", problem="kvsp-malformed-request"))
-        scope_id, compat_id = body.get("scope_id"), body.get("compat_id")
-        if not is_hex(scope_id, 16):
-            raise _invalid("scope_id: a hex16 Scope ID")
-        if not is_hex(compat_id, 32):
-            raise _invalid("compat_id: a hex32 Compatibility ID")
-        prompt = _tokens(body.get("prompt"), "prompt", non_empty=True)
-        max_tokens = _positive_int(body.get("max_tokens"), "max_tokens")
-        sampler = _object(body.get("sampler", {"method": GREEDY}), "sampler")
-        params = sampler.get("params", {})
-        if isinstance(params, dict) and MAX_TOKENS in params:
-            raise _invalid(f"sampler.params: give {MAX_TOKENS} beside the sampler, not in it")
-        record = session_sampler(sampler.get("method"), params, sampler.get("seed", 0), 0)
-        request_ref = body.get("request_ref")
-        if request_ref is not None and (
-            not isinstance(request_ref, str) or not 0 < len(request_ref) <= 1024
-        ):
-            raise _invalid("request_ref: a string of 1 to 1024 characters")
-        return cls(session, scope_id, compat_id, prompt, max_tokens, record, request_ref)
-
-    def to_json(self) -> dict[str, Any]:
-        sampler = self.sampler.to_json()
-        body = {
-            "session": self.session,
-            "scope_id": self.scope_id,
-            "compat_id": self.compat_id,
-            "prompt": list(self.prompt),
-            "max_tokens": self.max_tokens,
-            "sampler": {key: sampler[key] for key in ("method", "params", "seed")},
-        }
-        if self.request_ref is not None:
-            body["request_ref"] = self.request_ref
-        return body
+    return params, params.pop(MAX_TOKENS_PARAM, None)
 
 
 @dataclass(frozen=True)
@@ -248,13 +148,10 @@ class ResumeRequest:
                 "resumed session runs under a new epoch (6.8)"
             )
         sampler = checkpoint.sampler
-        session_sampler(
-            sampler.method,
-            sampler.params.to_json(),
-            sampler.seed,
-            sampler.step,
-            what="checkpoint.sampler",
-        )
+        try:
+            session_sampler(sampler.method, sampler.params, sampler.seed, sampler.step)
+        except InvalidRecord as error:
+            raise error.within("checkpoint", "sampler") from None
         if not checkpoint.prompt_tail and not checkpoint.output_offset:
             raise _invalid(
                 "checkpoint: no token after the prompt blocks, so there is nothing to compute "

@@ -23,6 +23,7 @@ from kvsp.records import (
     DirectiveBlock,
     DirectiveState,
     FetchRange,
+    GenerateRequest,
     InstanceStatusRecord,
     InvalidRecord,
     JsonObject,
@@ -877,6 +878,66 @@ def test_placement_request():
     rejects(PlacementRequest, dict(placement_doc(), tokens=[2**32]), "tokens[0]: must be")
     rejects(PlacementRequest, dict(placement_doc(), request_ref=[]), "request_ref: must be a str")
     rejects(PlacementRequest, placement_doc(), "tokens: has 3 entries", Limits(max_tokens=2))
+
+
+# --- Generate request (DESIGN.md section 3) ----------------------------------------------------
+
+
+def generate_doc() -> dict:
+    return {
+        "session": SESSION,
+        "scope_id": SCOPE,
+        "compat_id": COMPAT,
+        "prompt": [1, 2, 3],
+        "max_tokens": 8,
+        "sampler": {"method": "top-k", "params": {"k": 40}, "seed": 7},
+        "request_ref": "r-1",
+    }
+
+
+def test_generate_request_round_trips_and_defaults_its_sampler():
+    record = GenerateRequest.from_json(generate_doc())
+    assert record.to_json() == generate_doc()
+    assert record.sampler.record().params == JsonObject({"k": 40})
+    for absent in (DELETE, None):
+        doc = edited(edited(generate_doc(), ("sampler",), absent), ("request_ref",), absent)
+        record = GenerateRequest.from_json(doc)
+        assert record.request_ref is None
+        greedy = {"method": "greedy", "params": {}, "seed": 0}
+        stated = {name: value for name, value in doc.items() if value is not None}
+        assert record.to_json() == {**stated, "sampler": greedy}
+    upper = edited(generate_doc(), ("session",), SESSION.upper())
+    assert GenerateRequest.from_json(upper).session == SESSION
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "detail"),
+    [
+        (("prompt",), [], "prompt: must not be empty"),
+        (("prompt", 1), -2, "prompt[1]: must be an integer from 0"),
+        (("max_tokens",), 0, "max_tokens: must be an integer from 1"),
+        (("scope_id",), COMPAT, "scope_id: must be hex16"),
+        (("request_ref",), "", "request_ref: must be a string of 1 to 1024 characters"),
+        (("sampler", "method"), "beam", 'sampler.method: must be one of "greedy"'),
+        (
+            ("sampler", "params"),
+            {"k": 40, "n": 1},
+            "sampler.params: method 'top-k' here takes no n",
+        ),
+        (("sampler", "params", "k"), 0, "sampler.params.k: must be an integer from 1"),
+        (("sampler", "params", "max_tokens"), 4, "sampler.params: give max_tokens beside"),
+        (("sampler", "seed"), UINT64_MAX + 1, "sampler.seed: must be an integer from 0 to"),
+    ],
+)
+def test_generate_request_rejects(path, value, detail):
+    rejects(GenerateRequest, edited(generate_doc(), path, value), detail)
+
+
+@pytest.mark.parametrize("doc", [[generate_doc()], dict(generate_doc(), session="7")])
+def test_generate_request_without_an_object_or_a_session_is_malformed(doc):
+    with pytest.raises(ProtocolError) as caught:
+        GenerateRequest.from_json(doc)
+    assert caught.value.problem == "kvsp-malformed-request"
 
 
 # --- Shard Map and reshard messages (6.9) -----------------------------------------------------
