@@ -696,15 +696,19 @@ def _joined(prefix: Path, error: InvalidRecord) -> tuple:
     return (*prefix, *error.path), error.message, related
 
 
+def _check_array_bounds(obj: dict, bounded: Mapping[str, int], path: Path) -> None:
+    for name, most in bounded.items():
+        value = obj.get(name)
+        if isinstance(value, list | tuple) and len(value) > most:
+            _fail((*path, name), f"has {len(value)} entries; at most {most} are accepted")
+
+
 def _decode(cls: type[S], obj: object, bounded: Mapping[str, int] | None = None) -> S:
     """``obj``, a decoded JSON value, as a record of ``cls``; each member named in ``bounded``
     is an array of at most that many entries, checked before any entry is looked at."""
     if not isinstance(obj, dict):
         raise InvalidRecord((), f"a {cls.NAME} must be a JSON object")
-    for name, most in (bounded or {}).items():
-        value = obj.get(name)
-        if isinstance(value, list | tuple) and len(value) > most:
-            _fail((name,), f"has {len(value)} entries; at most {most} are accepted")
+    _check_array_bounds(obj, bounded or {}, ())
     try:
         return msgspec.convert(obj, cls)
     except msgspec.ValidationError as error:  # __post_init__'s _BrokenRule is its cause
@@ -732,7 +736,14 @@ class WireRecord(msgspec.Struct, frozen=True, omit_defaults=True):
         return {}
 
     def to_json(self) -> dict[str, Any]:
-        return _with_lists(msgspec.to_builtins(self), _list_members(type(self)))
+        members = msgspec.to_builtins(self, enc_hook=_thawed)
+        return _with_lists(members, _list_members(type(self)))
+
+
+def _thawed(value: object) -> object:
+    if isinstance(value, JsonObject):
+        return value.to_json()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
 # msgspec.to_builtins keeps a record's tuples; a JSON-ready dict has lists, as JSON decodes to.
@@ -1266,23 +1277,31 @@ SAMPLER_METHODS: Mapping[
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Sampler(Record):
-    """The sampler state of a session (4.4): method, parameters, seed (uint64), step."""
+class Sampler(WireRecord, frozen=True, omit_defaults=False):
+    """The sampler state of a session (4.4): method, parameters, seed (uint64), step.
+
+    ``params`` is decoded as a JSON object and kept frozen, as a ``JsonObject``. A record
+    decoded holds it to ``Limits.max_params`` and ``max_depth``; one built in code (from an
+    engine's sampler) to generous bounds only.
+    """
 
     NAME: ClassVar[str] = "sampler"
 
-    method: str
-    params: JsonObject
-    seed: int
-    step: int
-    deterministic: bool
+    method: Annotated[str, _rule(_choice_rule(SAMPLER_METHODS), {"enum": sorted(SAMPLER_METHODS)})]
+    params: Annotated[dict[str, Any], _rule("must be a JSON object")]
+    # msgspec bounds integers within int64: the uint64 bound is checked in __post_init__.
+    seed: Annotated[
+        int, _rule(f"must be an integer from 0 to {UINT64_MAX}", {"maximum": UINT64_MAX}, ge=0)
+    ]
+    step: Count
+    deterministic: Annotated[bool, _rule("must be true or false")]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_choice(self.method, ("method",), tuple(SAMPLER_METHODS))
         if isinstance(self.params, Mapping) and not isinstance(self.params, JsonObject):
-            # A caller building a sampler in code may hand a dict; the record keeps it frozen.
-            object.__setattr__(self, "params", freeze_json(self.params, ("params",), [4096], 0, 64))
+            frozen = freeze_json(self.params, ("params",), [4096], 0, 64)
+            msgspec.structs.force_setattr(self, "params", frozen)
         if not isinstance(self.params, JsonObject):
             _fail(("params",), "must be a JSON object")
         required, optional = SAMPLER_METHODS[self.method]
@@ -1298,30 +1317,20 @@ class Sampler(Record):
         _check_bool(self.deterministic, ("deterministic",))
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        params = _required(obj, "params")
-        if not isinstance(params, dict):
-            _fail(("params",), "must be a JSON object")
-        return cls(
-            method=_required(obj, "method"),
-            params=freeze_json(params, ("params",), [limits.max_params + 1], 0, limits.max_depth),
-            seed=_required(obj, "seed"),
-            step=_required(obj, "step"),
-            deterministic=_required(obj, "deterministic"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "params": self.params.to_json(),
-            "seed": self.seed,
-            "step": self.step,
-            "deterministic": self.deterministic,
-        }
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        _check_params_bounds(obj, (), limits)
+        return _decode(cls, obj)
 
 
-@dataclass(frozen=True, slots=True)
-class SessionCheckpoint(Record):
+def _check_params_bounds(sampler: object, path: Path, limits: Limits) -> None:
+    """The bounds of ``limits`` on the params of a sampler about to be decoded."""
+    params = sampler.get("params") if isinstance(sampler, dict) else None
+    if isinstance(params, dict):
+        budget = [limits.max_params + 1]
+        freeze_json(params, (*path, "params"), budget, 0, limits.max_depth)
+
+
+class SessionCheckpoint(WireRecord, frozen=True):
     """A session's state, enough for another instance to resume it (4.4, 6.8).
 
     ``generated`` holds the session's output tokens from the first; ``output_offset`` is how many
@@ -1332,16 +1341,24 @@ class SessionCheckpoint(Record):
 
     NAME: ClassVar[str] = "Session Checkpoint"
 
-    session: str
-    epoch: int
-    compat_id: str
-    scope_id: str
-    prompt_blocks: tuple[str, ...]
-    prompt_tail: tuple[int, ...]
-    generated: tuple[int, ...]
-    output_offset: int
+    session: Uuid
+    epoch: Annotated[
+        int,
+        _rule(
+            f"must be an integer from {FIRST_SESSION_EPOCH} to {MAX_SAFE_INTEGER}",
+            ge=FIRST_SESSION_EPOCH,
+            le=MAX_SAFE_INTEGER,
+        ),
+    ]
+    compat_id: Hex32
+    scope_id: Hex16
+    prompt_blocks: Annotated[tuple[Hex32, ...], _rule("must be an array of block keys")]
+    prompt_tail: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids")]
+    generated: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids")]
+    output_offset: Count
     sampler: Sampler
 
+    @_rules
     def __post_init__(self) -> None:
         _check_uuid(self.session, ("session",))
         _check_int(self.epoch, ("epoch",), FIRST_SESSION_EPOCH)
@@ -1365,32 +1382,17 @@ class SessionCheckpoint(Record):
         return self.generated[: self.output_offset]
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            session=_lower(_required(obj, "session")),
-            epoch=_required(obj, "epoch"),
-            compat_id=_required(obj, "compat_id"),
-            scope_id=_required(obj, "scope_id"),
-            prompt_blocks=_array(
-                _required(obj, "prompt_blocks"), ("prompt_blocks",), limits.max_block_keys
-            ),
-            prompt_tail=_array(_required(obj, "prompt_tail"), ("prompt_tail",), limits.max_tokens),
-            generated=_array(_required(obj, "generated"), ("generated",), limits.max_tokens),
-            output_offset=_required(obj, "output_offset"),
-            sampler=_nested(Sampler, _required(obj, "sampler"), ("sampler",), limits),
-        )
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        if isinstance(obj, dict):
+            _check_params_bounds(obj.get("sampler"), ("sampler",), limits)
+        return _decode(cls, _lowered(obj, "session"), cls._array_bounds(limits))
 
-    def to_json(self) -> dict[str, Any]:
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
         return {
-            "session": self.session,
-            "epoch": self.epoch,
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "prompt_blocks": list(self.prompt_blocks),
-            "prompt_tail": list(self.prompt_tail),
-            "generated": list(self.generated),
-            "output_offset": self.output_offset,
-            "sampler": self.sampler.to_json(),
+            "prompt_blocks": limits.max_block_keys,
+            "prompt_tail": limits.max_tokens,
+            "generated": limits.max_tokens,
         }
 
 
@@ -1493,6 +1495,18 @@ class DirectiveBlock(WireRecord, frozen=True):
         _check_each(self.sources, ("sources",), _check_holder)
         _check_unique(self.sources, ("sources",), lambda s: s)
 
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"sources": limits.max_sources}
+
+
+def _check_sources_bounds(blocks: object, path: Path, limits: Limits) -> None:
+    """The bound on the sources of each directive block about to be decoded."""
+    if isinstance(blocks, list) and len(blocks) <= limits.max_block_keys:
+        for index, block in enumerate(blocks):
+            if isinstance(block, dict):
+                _check_array_bounds(block, {"sources": limits.max_sources}, (*path, index))
+
 
 class PrefetchDirective(WireRecord, frozen=True, kw_only=True):
     """POST {ii-base}prefetch (6.5). ``layer_order`` defaults to "ascending", the only order."""
@@ -1536,15 +1550,8 @@ class PrefetchDirective(WireRecord, frozen=True, kw_only=True):
 
     @classmethod
     def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        blocks = obj.get("blocks") if isinstance(obj, dict) else None
-        if isinstance(blocks, list) and len(blocks) <= limits.max_block_keys:
-            for index, block in enumerate(blocks):
-                sources = block.get("sources") if isinstance(block, dict) else None
-                if isinstance(sources, list) and len(sources) > limits.max_sources:
-                    _fail(
-                        ("blocks", index, "sources"),
-                        f"has {len(sources)} entries; at most {limits.max_sources} are accepted",
-                    )
+        if isinstance(obj, dict):
+            _check_sources_bounds(obj.get("blocks"), ("blocks",), limits)
         return _decode(cls, _lowered(obj, "directive"), cls._array_bounds(limits))
 
     @classmethod
@@ -1695,6 +1702,89 @@ class GenerateRequest(WireRecord, frozen=True, kw_only=True):
     @classmethod
     def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
         return {"prompt": limits.max_tokens}
+
+
+class ResumeRequest(WireRecord, frozen=True, kw_only=True, omit_defaults=False):
+    """``POST II sessions/{session}/resume`` (6.8), as the PC sends it: the session, its new
+    epoch, its latest checkpoint, and the blocks of the checkpoint's prompt to load (with their
+    sources) or already resident where it is sent. ``blocks`` and ``resident`` absent are empty;
+    ``deadline_ms`` and ``lease_ms`` absent are the node's to choose (``with_prefetch_bounds``).
+    """
+
+    NAME: ClassVar[str] = "resume request"
+
+    session: Uuid
+    epoch: PositiveInt
+    checkpoint: SessionCheckpoint
+    blocks: (
+        Annotated[tuple[DirectiveBlock, ...], _rule("must be an array of directive blocks")] | None
+    ) = None
+    resident: Annotated[tuple[Hex32, ...], _rule("must be an array of block keys")] | None = None
+    deadline_ms: PositiveInt | None = None
+    lease_ms: PositiveInt | None = None
+
+    @_rules
+    def __post_init__(self) -> None:
+        if self.blocks is None:
+            msgspec.structs.force_setattr(self, "blocks", ())
+        if self.resident is None:
+            msgspec.structs.force_setattr(self, "resident", ())
+        _check_uuid(self.session, ("session",))
+        _check_int(self.epoch, ("epoch",), 1)
+        checkpoint = self.checkpoint
+        if not isinstance(checkpoint, SessionCheckpoint):
+            _fail(("checkpoint",), "must be a Session Checkpoint")
+        if checkpoint.session != self.session:
+            _fail(("checkpoint", "session"), "not the session resumed")
+        if checkpoint.epoch >= self.epoch:
+            _fail(
+                ("epoch",),
+                f"must be above the checkpoint's epoch {checkpoint.epoch}: a resumed session "
+                "runs under a new epoch (6.8)",
+            )
+        sampler = checkpoint.sampler
+        try:
+            session_sampler(sampler.method, sampler.params, sampler.seed, sampler.step)
+        except InvalidRecord as error:
+            raise error.within("checkpoint", "sampler") from None
+        if not checkpoint.prompt_tail and not checkpoint.output_offset:
+            _fail(
+                ("checkpoint",),
+                "no token after the prompt blocks, so there is nothing to compute the first "
+                "output token from",
+            )
+        _check_tuple(self.blocks, ("blocks",))
+        for index, block in enumerate(self.blocks):
+            if not isinstance(block, DirectiveBlock):
+                _fail(("blocks", index), "must be a directive block")
+        _check_hex_list(self.resident, ("resident",), 32)
+
+    def with_prefetch_bounds(self, deadline_ms: int, lease_ms: int) -> ResumeRequest:
+        """The request with the node's ``deadline_ms`` and ``lease_ms`` where the PC left them
+        out."""
+        return msgspec.structs.replace(
+            self,
+            deadline_ms=deadline_ms if self.deadline_ms is None else self.deadline_ms,
+            lease_ms=lease_ms if self.lease_ms is None else self.lease_ms,
+        )
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        checkpoint = obj.get("checkpoint") if isinstance(obj, dict) else None
+        if isinstance(checkpoint, dict):
+            _check_array_bounds(
+                checkpoint, SessionCheckpoint._array_bounds(limits), ("checkpoint",)
+            )
+            _check_params_bounds(checkpoint.get("sampler"), ("checkpoint", "sampler"), limits)
+            checkpoint = _lowered(checkpoint, "session")
+            obj = {**_lowered(obj, "session"), "checkpoint": checkpoint}
+        if isinstance(obj, dict):
+            _check_sources_bounds(obj.get("blocks"), ("blocks",), limits)
+        return _decode(cls, _lowered(obj, "session"), cls._array_bounds(limits))
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"blocks": limits.max_block_keys, "resident": limits.max_block_keys}
 
 
 # --- Leases (6.6) -----------------------------------------------------------------------------

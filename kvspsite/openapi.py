@@ -31,6 +31,8 @@ from kvsp.records import (
     PlacementRequest,
     PrefetchDirective,
     ReplicaRecord,
+    ResumeRequest,
+    SessionCheckpoint,
 )
 from kvsp.sharding import MAX_DEADLINE_MS
 
@@ -76,7 +78,9 @@ RECORD_TYPES = (
     LeaseGrant,
     PrefetchDirective,
     DirectiveState,
+    SessionCheckpoint,
     GenerateRequest,
+    ResumeRequest,
 )
 
 
@@ -386,39 +390,6 @@ SCHEMAS = {
         },
         ["instance", "name", "matched", "directive", "candidates"],
     ),
-    "SessionCheckpoint": _object(
-        {
-            "session": {"type": "string", "format": "uuid"},
-            "epoch": _POSITIVE,
-            "compat_id": _hex(32),
-            "scope_id": _hex(16),
-            "prompt_blocks": {"type": "array", "items": _hex(32)},
-            "prompt_tail": {"type": "array", "items": _TOKEN},
-            "generated": {"type": "array", "items": _TOKEN},
-            "output_offset": _INT,
-            "sampler": _object(
-                {
-                    "method": {"type": "string"},
-                    "params": {"type": "object"},
-                    "seed": _INT,
-                    "step": _INT,
-                    "deterministic": {"type": "boolean"},
-                },
-                ["method", "params", "seed", "step", "deterministic"],
-            ),
-        },
-        [
-            "session",
-            "epoch",
-            "compat_id",
-            "scope_id",
-            "prompt_blocks",
-            "prompt_tail",
-            "generated",
-            "output_offset",
-            "sampler",
-        ],
-    ),
     "CheckpointAnswer": _object(
         {
             "session": {"type": "string"},
@@ -508,9 +479,7 @@ SCHEMAS = {
 _SEGMENT = {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"}
 _BINARY = {"type": "string", "format": "binary"}
 
-# The node's messages (DESIGN.md section 3, "Node"). Where a view reads an optional member
-# with a default instead of through ``kvsp.records`` (resume), a null member is refused, so
-# those members are stated without ``nullable``.
+# The node's messages (DESIGN.md section 3, "Node") that are not records.
 SCHEMAS.update(
     {
         "BlockContainer": {
@@ -531,19 +500,6 @@ SCHEMAS.update(
             },
             ["session", "epoch", "state"],
         ),
-        "ResumeRequest": {
-            "type": "object",
-            "properties": {
-                "session": {"type": "string", "format": "uuid"},
-                "epoch": _POSITIVE,
-                "checkpoint": _ref("SessionCheckpoint"),
-                "blocks": {"type": "array", "items": _ref("DirectiveBlock")},
-                "resident": {"type": "array", "items": _hex(32)},
-                "deadline_ms": _POSITIVE,
-                "lease_ms": _POSITIVE,
-            },
-            "required": ["session", "epoch", "checkpoint"],
-        },
         # A plan from this implementation's PC carries the Block Keys its ranges cover
         # (workers.resharding): scope_id, compat_id, block_tokens and blocks, an object from
         # block indexes in decimal to Block Keys; it and its commit and abort carry the number

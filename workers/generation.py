@@ -491,7 +491,7 @@ class SessionRun:
         self.timer.lap("prompt")
 
     def _begin_resume(self) -> None:
-        request = served.ResumeRequest.from_json(self.session, self.row.body)
+        request = served.resume_request(self.session, self.row.body)
         checkpoint = request.checkpoint
         block_tokens = self.engine.block_tokens
         scope_key = control.scope_key(self.scope_id)

@@ -22,27 +22,22 @@ The session's length travels in the checkpoint's ``sampler.params`` as ``max_tok
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from index.authz import may_read_scope
-from kvsp.hexids import is_hex, parse_uuid
+from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import (
     MAX_TOKENS_PARAM,
-    DirectiveBlock,
     GenerateRequest,
-    InvalidRecord,
     PrefetchDirective,
+    ResumeRequest,
     Sampler,
-    SessionCheckpoint,
-    session_sampler,
 )
 from kvsp.states import TransitionTable
 from kvspsite.celery import instance_queue
@@ -103,96 +98,22 @@ def _object(value: object, what: str) -> dict:
     return value
 
 
-def _positive_int(value: object, what: str) -> int:
-    if type(value) is not int or value < 1:
-        raise _invalid(f"{what}: a positive integer")
-    return value
-
-
 def split_max_tokens(sampler: Sampler) -> tuple[dict, int | None]:
     """The sampler's own params, and the session length carried beside them."""
     params = sampler.params.to_json()
     return params, params.pop(MAX_TOKENS_PARAM, None)
 
 
-@dataclass(frozen=True)
-class ResumeRequest:
-    """``POST II sessions/{session}/resume`` (6.8), as the PC sends it: ``{"session", "epoch",
-    "checkpoint", "blocks": [{"block_key", "sources"}], "resident", "deadline_ms",
-    "lease_ms"}``."""
-
-    session: str
-    epoch: int
-    checkpoint: SessionCheckpoint
-    blocks: tuple[DirectiveBlock, ...]
-    resident: tuple[str, ...]
-    deadline_ms: int
-    lease_ms: int
-
-    @classmethod
-    def from_json(cls, session_id: str, body: object) -> ResumeRequest:
-        body = _object(body, "the body")
-        session = str(parse_uuid(session_id, "session", problem="kvsp-malformed-request"))
-        if str(body.get("session", "")).lower() != session:
-            raise _malformed("session in the body differs from the path")
-        epoch = _positive_int(body.get("epoch"), "epoch")
-        try:
-            checkpoint = SessionCheckpoint.from_json(body.get("checkpoint"))
-        except InvalidRecord as error:
-            raise error.within("checkpoint") from None
-        if checkpoint.session != session:
-            raise _invalid("checkpoint.session: not the session resumed")
-        if checkpoint.epoch >= epoch:
-            raise _invalid(
-                f"epoch {epoch} must be above the checkpoint's epoch {checkpoint.epoch}: a "
-                "resumed session runs under a new epoch (6.8)"
-            )
-        sampler = checkpoint.sampler
-        try:
-            session_sampler(sampler.method, sampler.params, sampler.seed, sampler.step)
-        except InvalidRecord as error:
-            raise error.within("checkpoint", "sampler") from None
-        if not checkpoint.prompt_tail and not checkpoint.output_offset:
-            raise _invalid(
-                "checkpoint: no token after the prompt blocks, so there is nothing to compute "
-                "the first output token from"
-            )
-        blocks_json = body.get("blocks", [])
-        if not isinstance(blocks_json, list):
-            raise _invalid("blocks: an array of {block_key, sources}")
-        blocks = []
-        for index, block in enumerate(blocks_json):
-            try:
-                blocks.append(DirectiveBlock.from_json(block))
-            except InvalidRecord as error:
-                raise error.within("blocks", index) from None
-        resident = body.get("resident", [])
-        if not isinstance(resident, list) or not all(is_hex(key, 32) for key in resident):
-            raise _invalid("resident: an array of hex32 Block Keys")
-        return cls(
-            session=session,
-            epoch=epoch,
-            checkpoint=checkpoint,
-            blocks=tuple(blocks),
-            resident=tuple(key.lower() for key in resident),
-            deadline_ms=_positive_int(
-                body.get("deadline_ms", settings.KVSP_PREFETCH_DEADLINE_MS), "deadline_ms"
-            ),
-            lease_ms=_positive_int(
-                body.get("lease_ms", settings.KVSP_PREFETCH_LEASE_MS), "lease_ms"
-            ),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "session": self.session,
-            "epoch": self.epoch,
-            "checkpoint": self.checkpoint.to_json(),
-            "blocks": [block.to_json() for block in self.blocks],
-            "resident": list(self.resident),
-            "deadline_ms": self.deadline_ms,
-            "lease_ms": self.lease_ms,
-        }
+def resume_request(session_id: str, body: object) -> ResumeRequest:
+    """The body of ``POST II sessions/{session}/resume`` (6.8) for the session of the path,
+    with this node's prefetch deadline and lease where the PC left them out."""
+    body = _object(body, "the body")
+    session = str(parse_uuid(session_id, "session", problem="kvsp-malformed-request"))
+    if str(body.get("session", "")).lower() != session:
+        raise _malformed("session in the body differs from the path")
+    return ResumeRequest.from_json(body).with_prefetch_bounds(
+        settings.KVSP_PREFETCH_DEADLINE_MS, settings.KVSP_PREFETCH_LEASE_MS
+    )
 
 
 # --- Admission ------------------------------------------------------------------------------
@@ -303,7 +224,7 @@ def _sourceless_prompt_block(request: ResumeRequest, name: str) -> str | None:
 def do_accept_resume(session_id: str, body: object) -> ServedSession:
     """``POST II sessions/{session}/resume`` (6.8), the PC's: admit the session under its new
     epoch; the blocks to load become a prefetch directive the session's task carries out."""
-    request = ResumeRequest.from_json(session_id, body)
+    request = resume_request(session_id, body)
     checkpoint = request.checkpoint
     name = selectors.node_name()
     body = request.to_json()
