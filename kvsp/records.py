@@ -1108,69 +1108,87 @@ class ReplicaRecord(WireRecord, frozen=True, kw_only=True):
 # --- Instance Status Record (4.4, 6.3) --------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Link(Record):
+def _number(schema: dict[str, Any] | None = None) -> Any:
+    """A JSON number member, integer or not (an integer stays one); its range is checked by
+    ``_check_number`` in ``__post_init__``, which names the bound broken, and ``schema``
+    states it."""
+    rule = _rule("must be a number", schema)
+    return Annotated[int, rule] | Annotated[float, rule]
+
+
+class Link(WireRecord, frozen=True):
     """The instance's link to one holder: its rate and round-trip time."""
 
     NAME: ClassVar[str] = "link"
 
-    holder: str
-    mbit_per_s: int | float
-    rtt_us: int | float
+    holder: HolderUrl
+    mbit_per_s: _number({"minimum": 0, "exclusiveMinimum": True})
+    rtt_us: _number({"minimum": 0})
 
+    @_rules
     def __post_init__(self) -> None:
         _check_holder(self.holder, ("holder",))
         _check_number(self.mbit_per_s, ("mbit_per_s",), positive=True)
         _check_number(self.rtt_us, ("rtt_us",), lo=0)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            holder=_required(obj, "holder"),
-            mbit_per_s=_required(obj, "mbit_per_s"),
-            rtt_us=_required(obj, "rtt_us"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"holder": self.holder, "mbit_per_s": self.mbit_per_s, "rtt_us": self.rtt_us}
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceStatusRecord(Record):
+class InstanceStatusRecord(WireRecord, frozen=True, kw_only=True):
     """An instance's report to the PC (4.4, 6.3).
 
     Every member of the spec's example is required except ``requested_state`` (absent means
-    null): the PC prices placement with ``queued``, ``prefill_tokens_per_s`` (recompute) and
-    ``decode_tokens_per_s`` (service time), and judges capacity with ``running``, ``batch_size``
-    and ``kv_utilization``, so a record without them is more likely a fault than a choice.
-    ``links`` may be empty; a holder without a link is one the instance cannot be priced to
-    fetch from. ``requested_state`` may only be "sleeping" (6.3: an instance may ask to sleep;
-    waking is the PC's decision). Two extension members (DESIGN.md section 3) say which
-    requests placement may send the instance: ``compat_ids`` lists the compatibility ids it
-    serves (absent or empty, it serves any), and ``engine`` is false for a node without an
-    engine (a storage-only holder, which reports its status for its links and liveness alone
-    and is never a placement or resume candidate, whatever its compat ids); absent, the
-    instance runs an engine.
+    null, and the record always states it): the PC prices placement with ``queued``,
+    ``prefill_tokens_per_s`` (recompute) and ``decode_tokens_per_s`` (service time), and judges
+    capacity with ``running``, ``batch_size`` and ``kv_utilization``, so a record without them is
+    more likely a fault than a choice. ``links`` may be empty; a holder without a link is one the
+    instance cannot be priced to fetch from. ``requested_state`` may only be "sleeping" (6.3: an
+    instance may ask to sleep; waking is the PC's decision). Two extension members (DESIGN.md
+    section 3) say which requests placement may send the instance: ``compat_ids`` lists the
+    compatibility ids it serves (absent or empty, it serves any), and ``engine`` is false for a
+    node without an engine (a storage-only holder, which reports its status for its links and
+    liveness alone and is never a placement or resume candidate, whatever its compat ids);
+    absent, the instance runs an engine.
     """
 
     NAME: ClassVar[str] = "Instance Status Record"
 
-    instance: str
-    epoch: int
-    state: str
-    running: int
-    queued: int
-    batch_size: int
-    kv_utilization: int | float
-    prefill_tokens_per_s: int | float
-    decode_tokens_per_s: int | float
-    links: tuple[Link, ...]
-    ttl_ms: int
-    requested_state: str | None = None
-    compat_ids: tuple[str, ...] | None = None
-    engine: bool = True
+    instance: BaseUrl
+    epoch: Count
+    state: Annotated[str, _rule(_choice_rule(InstanceState), {"enum": sorted(InstanceState)})]
+    running: Count
+    queued: Count
+    batch_size: Count
+    kv_utilization: _number({"minimum": 0, "maximum": 1})
+    prefill_tokens_per_s: _number({"minimum": 0, "exclusiveMinimum": True})
+    decode_tokens_per_s: _number({"minimum": 0, "exclusiveMinimum": True})
+    links: Annotated[tuple[Link, ...], _rule("must be an array of links")]
+    # UNSET only until __post_init__: absent or null, the member is written as null.
+    requested_state: (
+        Annotated[
+            str,
+            _rule(
+                _choice_rule(REQUESTABLE_INSTANCE_STATES),
+                {"enum": sorted(REQUESTABLE_INSTANCE_STATES)},
+            ),
+        ]
+        | None
+        | msgspec.UnsetType
+    ) = msgspec.UNSET
+    ttl_ms: PositiveInt
+    compat_ids: (
+        Annotated[
+            tuple[Hex32, ...],
+            _rule("must be an array of compatibility ids", {"uniqueItems": True}),
+        ]
+        | None
+    ) = None
+    engine: Annotated[bool, _rule("must be true or false")] | None = True
 
+    @_rules
     def __post_init__(self) -> None:
+        if self.requested_state is msgspec.UNSET:
+            msgspec.structs.force_setattr(self, "requested_state", None)
+        if self.engine is None:
+            msgspec.structs.force_setattr(self, "engine", True)
         _check_base_url(self.instance, ("instance",))
         _check_int(self.epoch, ("epoch",))
         _check_choice(self.state, ("state",), frozenset(InstanceState))
@@ -1204,46 +1222,8 @@ class InstanceStatusRecord(Record):
         return self.engine and (not self.compat_ids or compat_id in self.compat_ids)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            instance=_required(obj, "instance"),
-            epoch=_required(obj, "epoch"),
-            state=_required(obj, "state"),
-            running=_required(obj, "running"),
-            queued=_required(obj, "queued"),
-            batch_size=_required(obj, "batch_size"),
-            kv_utilization=_required(obj, "kv_utilization"),
-            prefill_tokens_per_s=_required(obj, "prefill_tokens_per_s"),
-            decode_tokens_per_s=_required(obj, "decode_tokens_per_s"),
-            links=_nested_list(Link, _required(obj, "links"), ("links",), limits.max_links, limits),
-            ttl_ms=_required(obj, "ttl_ms"),
-            requested_state=_optional(obj, "requested_state"),
-            compat_ids=_optional(
-                obj, "compat_ids", lambda v: _array(v, ("compat_ids",), limits.max_compat_ids)
-            ),
-            engine=True if (engine := _optional(obj, "engine")) is None else engine,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "instance": self.instance,
-            "epoch": self.epoch,
-            "state": self.state,
-            "running": self.running,
-            "queued": self.queued,
-            "batch_size": self.batch_size,
-            "kv_utilization": self.kv_utilization,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "links": [link.to_json() for link in self.links],
-            "requested_state": self.requested_state,
-            "ttl_ms": self.ttl_ms,
-        }
-        if self.compat_ids is not None:
-            out["compat_ids"] = list(self.compat_ids)
-        if not self.engine:
-            out["engine"] = False
-        return out
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"links": limits.max_links, "compat_ids": limits.max_compat_ids}
 
 
 # --- Session Checkpoint (4.4, 6.8) ------------------------------------------------------------

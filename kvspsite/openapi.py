@@ -24,6 +24,7 @@ from kvsp.records import (
     BlockBatchRequest,
     DirectiveState,
     GenerateRequest,
+    InstanceStatusRecord,
     LeaseGrant,
     LeaseRenewal,
     LeaseRequest,
@@ -71,6 +72,7 @@ _POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
 RECORD_TYPES = (
     ReplicaRecord,
     LookupRequest,
+    InstanceStatusRecord,
     PlacementRequest,
     BlockBatchRequest,
     LeaseRequest,
@@ -294,55 +296,6 @@ SCHEMAS = {
             "exp": _INT,
         },
         ["active"],
-    ),
-    "InstanceStatusRecord": _object(
-        {
-            "instance": _URL,
-            "epoch": _INT,
-            "state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]},
-            "running": _INT,
-            "queued": _INT,
-            "batch_size": _INT,
-            "kv_utilization": {"type": "number", "minimum": 0, "maximum": 1},
-            "prefill_tokens_per_s": _POSITIVE_NUMBER,
-            "decode_tokens_per_s": _POSITIVE_NUMBER,
-            "links": {
-                "type": "array",
-                "items": _object(
-                    {
-                        "holder": {"type": "string"},
-                        "mbit_per_s": _POSITIVE_NUMBER,
-                        "rtt_us": {"type": "number", "minimum": 0},
-                    },
-                    ["holder", "mbit_per_s", "rtt_us"],
-                ),
-            },
-            "requested_state": {"type": "string", "enum": ["sleeping"], "nullable": True},
-            "ttl_ms": _POSITIVE,
-            "compat_ids": {
-                "type": "array",
-                "items": _hex(32),
-                "description": "the compat ids it serves; absent or empty: any",
-            },
-            "engine": {
-                "type": "boolean",
-                "description": "false for a node without an engine (a storage-only holder): "
-                "never a placement or resume candidate; absent: it runs one",
-            },
-        },
-        [
-            "instance",
-            "epoch",
-            "state",
-            "running",
-            "queued",
-            "batch_size",
-            "kv_utilization",
-            "prefill_tokens_per_s",
-            "decode_tokens_per_s",
-            "links",
-            "ttl_ms",
-        ],
     ),
     "StateAnswer": _object(
         {"state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]}},
