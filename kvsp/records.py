@@ -1,18 +1,19 @@
 """The JSON records of KVSP: spec 4.4 (Replica Record, Instance Status Record, Session
 Checkpoint), 6.2 (lookup request), 6.4 (placement request), 6.5 (prefetch directive and its
-state), 6.6 (leases) and 6.9 (shard map and reshard messages), in the shapes DESIGN.md section 3
-fixes where the spec leaves them open; and the delegated token messages of DESIGN.md section 6.
+state), 6.6 (leases), 6.8 (resume request) and 6.9 (shard map and reshard messages), in the
+shapes DESIGN.md section 3 fixes where the spec leaves them open; the node's generate request;
+and the delegated token messages of DESIGN.md section 6.
 
-Every record is frozen and validated. The Replica Record and its residency entries are
-``msgspec`` structs (the other records follow, one at a time): the bounds of each member are in
-its type and checked, in C, as a record is decoded; the rules that span members or need more than
-a bound are in ``__post_init__``, checked also when code builds a record. The others are frozen
-dataclasses validated at construction. ``from_json(obj)`` turns a decoded JSON value into a
-record: it bounds every array by ``Limits`` before it does per-entry
-work, ignores unknown members (4.4: "Unknown members MUST be ignored"), and raises
-``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record`` whose detail starts with
-the path of the offending member, e.g. ``residency[1].layers: overlaps residency[0].layers``.
-``record.to_json()`` is the record as a JSON-ready dict, and ``from_json(r.to_json()) == r``.
+Every record is defined once, as a frozen ``msgspec`` struct (``WireRecord``): the bounds of
+each member are in its type and checked, in C, as a record is decoded; the rules that span
+members or need more than a bound are in ``__post_init__``, checked also when code builds a
+record. The OpenAPI description is generated from the same types (``kvspsite.openapi``).
+``from_json(obj)`` turns a decoded JSON value into a record: it bounds every array by ``Limits``
+before it does per-entry work, ignores unknown members (4.4: "Unknown members MUST be
+ignored"), and raises ``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record``
+whose detail starts with the path of the offending member, e.g. ``residency[1].layers: overlaps
+residency[0].layers``. ``record.to_json()`` is the record as a JSON-ready dict, and
+``from_json(r.to_json()) == r``.
 
 Choices made where the spec is silent:
 
@@ -38,7 +39,6 @@ import functools
 import hmac
 import math
 import re
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, NoReturn, Self, TypeVar
@@ -432,95 +432,6 @@ def _first_overlap(
     return None
 
 
-# --- Decoding helpers (used by from_json) -----------------------------------------------------
-
-_ABSENT: Any = object()
-
-
-def _get(obj: dict, name: str) -> Any:
-    """A member, or ``_ABSENT`` when it is missing or null (null counts as absent)."""
-    value = obj.get(name)
-    return _ABSENT if value is None else value
-
-
-def _required(obj: dict, name: str) -> Any:
-    if name not in obj:
-        _fail((name,), "required member is missing")
-    return obj[name]
-
-
-def _optional(obj: dict, name: str, convert: Callable[[Any], Any] | None = None) -> Any:
-    value = _get(obj, name)
-    if value is _ABSENT:
-        return None
-    return convert(value) if convert else value
-
-
-def _array(value: object, path: Path, max_length: int) -> tuple:
-    if not isinstance(value, list | tuple):
-        _fail(path, "must be an array")
-    if len(value) > max_length:
-        _fail(path, f"has {len(value)} entries; at most {max_length} are accepted")
-    return tuple(value)
-
-
-def _pair(value: object) -> object:
-    # Only a two-entry array becomes a tuple; anything else is handed on for the record's own
-    # check to name.
-    if isinstance(value, list | tuple) and len(value) == 2:
-        return tuple(value)
-    return value
-
-
-def _default(value: object, default: object) -> object:
-    return default if value is None else value
-
-
-def _lower(value: object) -> object:
-    return value.lower() if isinstance(value, str) else value
-
-
-R = TypeVar("R", bound="Record")
-
-
-def _nested(cls: type[R], value: object, path: Path, limits: Limits) -> R:
-    if not isinstance(value, dict):
-        _fail(path, "must be a JSON object")
-    try:
-        return cls._from_members(value, limits)
-    except InvalidRecord as error:
-        raise error.within(*path) from None
-
-
-def _nested_list(
-    cls: type[R], value: object, path: Path, max_length: int, limits: Limits
-) -> tuple[R, ...]:
-    items = _array(value, path, max_length)
-    return tuple(_nested(cls, item, (*path, index), limits) for index, item in enumerate(items))
-
-
-class Record(ABC):
-    """What every record shares: decoding from a JSON value, encoding to one."""
-
-    __slots__ = ()
-    NAME: ClassVar[str] = "record"
-
-    @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        if not isinstance(obj, dict):
-            raise InvalidRecord((), f"a {cls.NAME} must be a JSON object")
-        return cls._from_members(obj, limits)
-
-    @classmethod
-    @abstractmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        """The record from the members of a JSON object; errors name paths inside it."""
-
-    @abstractmethod
-    def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-ready dict."""
-
-
 # --- A frozen JSON object (sampler parameters) ------------------------------------------------
 
 
@@ -600,7 +511,7 @@ def _thaw(value: Any) -> Any:
 # type carries its bounds and, as its ``description``, the rule a value that breaks them is told
 # (``_rule``); the struct's ``__post_init__`` checks what spans members, on decoding and when code
 # builds the record. ``_decode`` turns msgspec's errors into ``InvalidRecord`` with the member's
-# path and rule, as the hand-written records do.
+# path and rule.
 
 
 def _rule(description: str, schema: dict[str, Any] | None = None, **bounds: Any) -> msgspec.Meta:
@@ -1888,98 +1799,74 @@ def _check_token(value: object, path: Path) -> None:
         _fail(path, f"must be at most {MAX_BEARER_TOKEN_LENGTH} characters, none of them spaces")
 
 
-@dataclass(frozen=True, slots=True)
-class TokenRequest(Record):
+BearerToken = Annotated[
+    str,
+    _rule(
+        "must be a non-empty ASCII string", {"minLength": 1, "maxLength": MAX_BEARER_TOKEN_LENGTH}
+    ),
+]
+
+
+class TokenRequest(WireRecord, frozen=True):
     """POST {cp}tokens: a delegated token for one scope at one holder (``audience``, the
     holder's base URL); ``ttl_ms`` absent asks for the longest life the control plane grants."""
 
     NAME: ClassVar[str] = "token request"
 
-    scope_id: str
-    audience: str
-    ttl_ms: int | None = None
+    scope_id: Hex16
+    audience: BaseUrl
+    ttl_ms: PositiveInt | None = None
 
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.scope_id, ("scope_id",), 16)
         _check_base_url(self.audience, ("audience",))
         if self.ttl_ms is not None:
             _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            scope_id=_required(obj, "scope_id"),
-            audience=_required(obj, "audience"),
-            ttl_ms=_optional(obj, "ttl_ms"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"scope_id": self.scope_id, "audience": self.audience}
-        if self.ttl_ms is not None:
-            out["ttl_ms"] = self.ttl_ms
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class TokenGrant(Record):
+class TokenGrant(WireRecord, frozen=True):
     """The answer to a token request: the token, its expiry (RFC 3339, UTC, by the control
     plane's clock, for display) and ``ttl_ms``, the life granted, by which a client times it."""
 
     NAME: ClassVar[str] = "token grant"
 
-    token: str
-    expires_at: str
-    ttl_ms: int
+    token: BearerToken
+    expires_at: Annotated[str, _rule("must be a string", {"maxLength": 64})]
+    ttl_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token(self.token, ("token",))
         _check_text(self.expires_at, ("expires_at",), 64)
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            token=_required(obj, "token"),
-            expires_at=_required(obj, "expires_at"),
-            ttl_ms=_required(obj, "ttl_ms"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"token": self.token, "expires_at": self.expires_at, "ttl_ms": self.ttl_ms}
-
-
-@dataclass(frozen=True, slots=True)
-class TokenIntrospectionRequest(Record):
+class TokenIntrospectionRequest(WireRecord, frozen=True):
     """POST {cp}tokens/introspect (RFC 7662 in shape): the token a holder was presented."""
 
     NAME: ClassVar[str] = "introspection request"
 
-    token: str
+    token: BearerToken
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token(self.token, ("token",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(token=_required(obj, "token"))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"token": self.token}
-
-
-@dataclass(frozen=True, slots=True)
-class TokenIntrospection(Record):
+class TokenIntrospection(WireRecord, frozen=True):
     """What the control plane says of a token: ``{"active": false}`` for anything that is not a
     valid delegated token for the asker; else its scope, its audience and ``exp`` (seconds
     since the Unix epoch, RFC 7519 NumericDate), until which the answer may be cached."""
 
     NAME: ClassVar[str] = "introspection"
 
-    active: bool
-    scope_id: str | None = None
-    audience: str | None = None
-    exp: int | None = None
+    active: Annotated[bool, _rule("must be true or false")]
+    scope_id: Hex16 | None = None
+    audience: BaseUrl | None = None
+    exp: Count | None = None
 
+    @_rules
     def __post_init__(self) -> None:
         _check_bool(self.active, ("active",))
         if self.active:
@@ -1987,55 +1874,30 @@ class TokenIntrospection(Record):
             _check_base_url(self.audience, ("audience",))
             _check_int(self.exp, ("exp",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            active=_required(obj, "active"),
-            scope_id=_optional(obj, "scope_id"),
-            audience=_optional(obj, "audience"),
-            exp=_optional(obj, "exp"),
-        )
-
     def to_json(self) -> dict[str, Any]:
-        if not self.active:
-            return {"active": False}
-        return {
-            "active": True,
-            "scope_id": self.scope_id,
-            "audience": self.audience,
-            "exp": self.exp,
-        }
+        # An inactive token is told nothing more, whatever the record was built with.
+        return super().to_json() if self.active else {"active": False}
 
 
 # --- Shard Map and reshard messages (6.9, DESIGN.md section 3) --------------------------------
 
 TokenRange = tuple[int, int]  # half-open [start, end)
+TokenRangeMember = Annotated[tuple[Count, Count], _rule("must be [start, end]")]
 
 
-@dataclass(frozen=True, slots=True)
-class Shard(Record):
+class Shard(WireRecord, frozen=True):
     NAME: ClassVar[str] = "shard"
 
-    tokens: TokenRange
-    instance: str
+    tokens: TokenRangeMember
+    instance: BaseUrl
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token_range(self.tokens, ("tokens",))
         _check_base_url(self.instance, ("instance",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            tokens=_pair(_required(obj, "tokens")),
-            instance=_required(obj, "instance"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": list(self.tokens), "instance": self.instance}
-
-
-@dataclass(frozen=True, slots=True)
-class ShardMap(Record):
+class ShardMap(WireRecord, frozen=True):
     """A Shard Map (6.9): which instance holds which token range of one context.
 
     The shards are contiguous in list order (each starts where the one before ends), hence
@@ -2046,10 +1908,11 @@ class ShardMap(Record):
 
     NAME: ClassVar[str] = "Shard Map"
 
-    map: str
-    version: int
-    shards: tuple[Shard, ...]
+    map: Segment
+    version: Count
+    shards: Annotated[tuple[Shard, ...], _rule("must be an array of shards", {"minItems": 1})]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.version, ("version",))
@@ -2087,54 +1950,25 @@ class ShardMap(Record):
         return out
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            map=_required(obj, "map"),
-            version=_required(obj, "version"),
-            shards=_nested_list(
-                Shard, _required(obj, "shards"), ("shards",), limits.max_shards, limits
-            ),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "map": self.map,
-            "version": self.version,
-            "shards": [shard.to_json() for shard in self.shards],
-        }
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"shards": limits.max_shards}
 
 
-@dataclass(frozen=True, slots=True)
-class FetchRange(Record):
+class FetchRange(WireRecord, frozen=True):
     """A range a member gains, and the member that holds it in the current version."""
 
     NAME: ClassVar[str] = "fetch range"
 
-    tokens: TokenRange
-    source: str  # "from" in JSON
+    tokens: TokenRangeMember
+    source: BaseUrl = msgspec.field(name="from")
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token_range(self.tokens, ("tokens",))
         _check_base_url(self.source, ("from",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            tokens=_pair(_required(obj, "tokens")),
-            source=_required(obj, "from"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": list(self.tokens), "from": self.source}
-
-
-def _token_ranges(value: object, path: Path, limits: Limits) -> tuple:
-    items = _array(value, path, limits.max_ranges)
-    return tuple(_pair(item) for item in items)
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardPlan(Record):
+class ReshardPlan(WireRecord, frozen=True, kw_only=True):
     """POST {ii-base}reshard with a plan (6.9): move map ``map`` from version ``from`` to ``to``.
 
     ``to`` is ``from + 1``. No token is in two of retain, fetch and release, nor twice in one
@@ -2146,15 +1980,16 @@ class ReshardPlan(Record):
 
     NAME: ClassVar[str] = "reshard plan"
 
-    map: str
-    from_version: int  # "from" in JSON
-    to_version: int  # "to" in JSON
-    deadline_ms: int
-    retain: tuple[TokenRange, ...]
-    fetch: tuple[FetchRange, ...]
-    release: tuple[TokenRange, ...]
-    instance: str | None = None
+    map: Segment
+    instance: BaseUrl | None = None
+    from_version: Count = msgspec.field(name="from")
+    to_version: PositiveInt = msgspec.field(name="to")
+    deadline_ms: PositiveInt
+    retain: Annotated[tuple[TokenRangeMember, ...], _rule("must be an array of token ranges")]
+    fetch: Annotated[tuple[FetchRange, ...], _rule("must be an array of fetch ranges")]
+    release: Annotated[tuple[TokenRangeMember, ...], _rule("must be an array of token ranges")]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.from_version, ("from",))
@@ -2186,77 +2021,40 @@ class ReshardPlan(Record):
             _fail(overlap[0], "overlaps {related}", overlap[1])
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            map=_required(obj, "map"),
-            from_version=_required(obj, "from"),
-            to_version=_required(obj, "to"),
-            deadline_ms=_required(obj, "deadline_ms"),
-            retain=_token_ranges(_required(obj, "retain"), ("retain",), limits),
-            fetch=_nested_list(
-                FetchRange, _required(obj, "fetch"), ("fetch",), limits.max_ranges, limits
-            ),
-            release=_token_ranges(_required(obj, "release"), ("release",), limits),
-            instance=_optional(obj, "instance"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"map": self.map}
-        if self.instance is not None:
-            out["instance"] = self.instance
-        out.update(
-            {
-                "from": self.from_version,
-                "to": self.to_version,
-                "deadline_ms": self.deadline_ms,
-                "retain": [list(r) for r in self.retain],
-                "fetch": [fetch.to_json() for fetch in self.fetch],
-                "release": [list(r) for r in self.release],
-            }
-        )
-        return out
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {
+            "retain": limits.max_ranges,
+            "fetch": limits.max_ranges,
+            "release": limits.max_ranges,
+        }
 
 
-@dataclass(frozen=True, slots=True)
-class ReshardCommit(Record):
+class ReshardCommit(WireRecord, frozen=True):
     """POST reshard {"map", "commit": v+1} (6.9): version v+1 becomes authoritative."""
 
     NAME: ClassVar[str] = "reshard commit"
 
-    map: str
-    commit: int
+    map: Segment
+    commit: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.commit, ("commit",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(map=_required(obj, "map"), commit=_required(obj, "commit"))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"map": self.map, "commit": self.commit}
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardAbort(Record):
+class ReshardAbort(WireRecord, frozen=True):
     """POST reshard {"map", "abort": v+1} (6.9): members discard what they fetched for v+1."""
 
     NAME: ClassVar[str] = "reshard abort"
 
-    map: str
-    abort: int
+    map: Segment
+    abort: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.abort, ("abort",), 1)
-
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(map=_required(obj, "map"), abort=_required(obj, "abort"))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"map": self.map, "abort": self.abort}
 
 
 def parse_reshard_body(

@@ -21,6 +21,7 @@ import msgspec
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
 from kvsp.records import (
+    MAX_URL_LENGTH,
     BlockBatchRequest,
     DirectiveState,
     GenerateRequest,
@@ -32,8 +33,16 @@ from kvsp.records import (
     PlacementRequest,
     PrefetchDirective,
     ReplicaRecord,
+    ReshardAbort,
+    ReshardCommit,
+    ReshardPlan,
     ResumeRequest,
     SessionCheckpoint,
+    ShardMap,
+    TokenGrant,
+    TokenIntrospection,
+    TokenIntrospectionRequest,
+    TokenRequest,
 )
 from kvsp.sharding import MAX_DEADLINE_MS
 
@@ -57,15 +66,13 @@ def _hex(octets: int) -> dict:
     return {"type": "string", "pattern": f"^[0-9a-f]{{{2 * octets}}}$"}
 
 
-_URL = {"type": "string", "pattern": "^https?://[^/]+/.*/$", "maxLength": 2000}
+_URL = {"type": "string", "pattern": "^https?://[^/]+/.*/$", "maxLength": MAX_URL_LENGTH}
 _INT = {"type": "integer", "minimum": 0, "maximum": 9007199254740991}
 _POSITIVE = {"type": "integer", "minimum": 1, "maximum": 9007199254740991}
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": 4294967295}
 _RANGE = {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}
 _RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS}
 _ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
-# OpenAPI 3.0 spells an exclusive bound as a flag on the bound.
-_POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
 
 
 # The records whose schemas are generated from their types; the structs they nest come along.
@@ -83,6 +90,14 @@ RECORD_TYPES = (
     SessionCheckpoint,
     GenerateRequest,
     ResumeRequest,
+    TokenRequest,
+    TokenGrant,
+    TokenIntrospectionRequest,
+    TokenIntrospection,
+    ShardMap,
+    ReshardPlan,
+    ReshardCommit,
+    ReshardAbort,
 )
 
 
@@ -271,32 +286,6 @@ SCHEMAS = {
         {"scope_id": _hex(16), "name": {"type": "string"}, "scope_key": {"type": "string"}},
         ["scope_id", "name", "scope_key"],
     ),
-    # Delegated tokens (DESIGN.md section 6). The audience is a holder's base URL; the core
-    # holds it to the base URL rules (kvsp.records), which a pattern states only in part.
-    "TokenRequest": _object(
-        {
-            "scope_id": _hex(16),
-            "audience": {"type": "string", "pattern": "^https?://", "maxLength": 2048},
-            "ttl_ms": _POSITIVE,
-        },
-        ["scope_id", "audience"],
-    ),
-    "TokenGrant": _object(
-        {"token": {"type": "string"}, "expires_at": {"type": "string"}, "ttl_ms": _POSITIVE},
-        ["token", "expires_at", "ttl_ms"],
-    ),
-    "TokenIntrospectionRequest": _object(
-        {"token": {"type": "string", "minLength": 1, "maxLength": 4096}}, ["token"]
-    ),
-    "TokenIntrospection": _object(
-        {
-            "active": {"type": "boolean"},
-            "scope_id": _hex(16),
-            "audience": {"type": "string"},
-            "exp": _INT,
-        },
-        ["active"],
-    ),
     "StateAnswer": _object(
         {"state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]}},
         ["state"],
@@ -392,18 +381,6 @@ SCHEMAS = {
         },
         ["session", "epoch", "state"],
     ),
-    "ShardMap": _object(
-        {
-            "map": {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"},
-            "version": _INT,
-            "shards": {
-                "type": "array",
-                "minItems": 1,
-                "items": _object({"tokens": _RANGE, "instance": _URL}, ["tokens", "instance"]),
-            },
-        },
-        ["map", "version", "shards"],
-    ),
     "ReshardRequest": _object(
         {
             "shards": {
@@ -453,42 +430,6 @@ SCHEMAS.update(
             },
             ["session", "epoch", "state"],
         ),
-        # A plan from this implementation's PC carries the Block Keys its ranges cover
-        # (workers.resharding): scope_id, compat_id, block_tokens and blocks, an object from
-        # block indexes in decimal to Block Keys; it and its commit and abort carry the number
-        # of the PC's attempt at the move.
-        "ReshardPlan": _object(
-            {
-                "map": _SEGMENT,
-                "instance": _URL,
-                "from": _INT,
-                "to": _POSITIVE,
-                "deadline_ms": _RESHARD_DEADLINE,
-                "retain": {"type": "array", "items": _RANGE, "maxItems": 8192},
-                "fetch": {
-                    "type": "array",
-                    "maxItems": 8192,
-                    "items": _object({"tokens": _RANGE, "from": _URL}, ["tokens", "from"]),
-                },
-                "release": {"type": "array", "items": _RANGE, "maxItems": 8192},
-                "scope_id": _hex(16),
-                "compat_id": _hex(32),
-                "block_tokens": {"type": "integer", "minimum": 1, "maximum": 4294967295},
-                "blocks": {
-                    "type": "object",
-                    "additionalProperties": _hex(32),
-                    "maxProperties": 131072,
-                },
-                "attempt": _ATTEMPT,
-            },
-            ["map", "from", "to", "deadline_ms", "retain", "fetch", "release"],
-        ),
-        "ReshardCommit": _object(
-            {"map": _SEGMENT, "commit": _POSITIVE, "attempt": _ATTEMPT}, ["map", "commit"]
-        ),
-        "ReshardAbort": _object(
-            {"map": _SEGMENT, "abort": _POSITIVE, "attempt": _ATTEMPT}, ["map", "abort"]
-        ),
         # A body with "commit" is a commit and one with "abort" an abort; any other a plan.
         "ReshardBody": {
             "anyOf": [_ref("ReshardPlan"), _ref("ReshardCommit"), _ref("ReshardAbort")]
@@ -512,6 +453,27 @@ SCHEMAS.update(
 )
 
 SCHEMAS.update(record_schemas(RECORD_TYPES))
+
+# What this implementation's PC adds to the reshard messages it sends, and the node reads beyond
+# the records (workers.resharding): a plan carries the Block Keys its ranges cover (scope_id,
+# compat_id, block_tokens and blocks, an object from block indexes in decimal to Block Keys)
+# and a deadline the node bounds; a plan, its commit and its abort carry the number of the PC's
+# attempt at the move.
+_ATTEMPT_MEMBER = {"attempt": {**_ATTEMPT, "nullable": True}}
+SCHEMAS["ReshardPlan"]["properties"]["deadline_ms"]["maximum"] = MAX_DEADLINE_MS
+SCHEMAS["ReshardPlan"]["properties"].update(
+    {
+        "scope_id": _nullable(_hex(16)),
+        "compat_id": _nullable(_hex(32)),
+        "block_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": 4294967295}),
+        "blocks": _nullable(
+            {"type": "object", "additionalProperties": _hex(32), "maxProperties": 131072}
+        ),
+        **_ATTEMPT_MEMBER,
+    }
+)
+SCHEMAS["ReshardCommit"]["properties"].update(_ATTEMPT_MEMBER)
+SCHEMAS["ReshardAbort"]["properties"].update(_ATTEMPT_MEMBER)
 
 _BLOCK = "/kvsp/blocks/{compat_id}/{scope_id}/{block_key}"
 
