@@ -60,7 +60,7 @@ OPTIONAL_MEMBERS = ("adapters",)
 
 # Layers and block tokens are 32-bit counts in the KV Block Container (4.3); the other integers
 # stay within I-JSON's exact range, which JCS requires (RFC 8785 section 3.1).
-_INTEGER_MAX = {
+INTEGER_MAXIMA = {
     "layers": 2**32 - 1,
     "kv_heads": 2**53 - 1,
     "head_dim": 2**53 - 1,
@@ -99,8 +99,8 @@ def _check_digest(value: object, what: str) -> str:
 def _check_integer(value: object, what: str) -> int:
     if type(value) is not int:
         raise _invalid(f"{what} must be an integer, not {_json_type(value)}")
-    if not 1 <= value <= _INTEGER_MAX[what]:
-        raise _invalid(f"{what} must be in 1..{_INTEGER_MAX[what]}, got {value}")
+    if not 1 <= value <= INTEGER_MAXIMA[what]:
+        raise _invalid(f"{what} must be in 1..{INTEGER_MAXIMA[what]}, got {value}")
     return value
 
 

@@ -1,18 +1,19 @@
 """The JSON records of KVSP: spec 4.4 (Replica Record, Instance Status Record, Session
 Checkpoint), 6.2 (lookup request), 6.4 (placement request), 6.5 (prefetch directive and its
-state), 6.6 (leases) and 6.9 (shard map and reshard messages), in the shapes DESIGN.md section 3
-fixes where the spec leaves them open; and the delegated token messages of DESIGN.md section 6.
+state), 6.6 (leases), 6.8 (resume request) and 6.9 (shard map and reshard messages), in the
+shapes DESIGN.md section 3 fixes where the spec leaves them open; the node's generate request;
+and the delegated token messages of DESIGN.md section 6.
 
-Every record is frozen and validated. The Replica Record and its residency entries are
-``msgspec`` structs (the other records follow, one at a time): the bounds of each member are in
-its type and checked, in C, as a record is decoded; the rules that span members or need more than
-a bound are in ``__post_init__``, checked also when code builds a record. The others are frozen
-dataclasses validated at construction. ``from_json(obj)`` turns a decoded JSON value into a
-record: it bounds every array by ``Limits`` before it does per-entry
-work, ignores unknown members (4.4: "Unknown members MUST be ignored"), and raises
-``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record`` whose detail starts with
-the path of the offending member, e.g. ``residency[1].layers: overlaps residency[0].layers``.
-``record.to_json()`` is the record as a JSON-ready dict, and ``from_json(r.to_json()) == r``.
+Every record is defined once, as a frozen ``msgspec`` struct (``WireRecord``): the bounds of
+each member are in its type and checked, in C, as a record is decoded; the rules that span
+members or need more than a bound are in ``__post_init__``, checked also when code builds a
+record. The OpenAPI description is generated from the same types (``kvspsite.openapi``).
+``from_json(obj)`` turns a decoded JSON value into a record: it bounds every array by ``Limits``
+before it does per-entry work, ignores unknown members (4.4: "Unknown members MUST be
+ignored"), and raises ``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record``
+whose detail starts with the path of the offending member, e.g. ``residency[1].layers: overlaps
+residency[0].layers``. ``record.to_json()`` is the record as a JSON-ready dict, and
+``from_json(r.to_json()) == r``.
 
 Choices made where the spec is silent:
 
@@ -38,10 +39,9 @@ import functools
 import hmac
 import math
 import re
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, NoReturn, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, NoReturn, Self, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 import msgspec
@@ -432,95 +432,6 @@ def _first_overlap(
     return None
 
 
-# --- Decoding helpers (used by from_json) -----------------------------------------------------
-
-_ABSENT: Any = object()
-
-
-def _get(obj: dict, name: str) -> Any:
-    """A member, or ``_ABSENT`` when it is missing or null (null counts as absent)."""
-    value = obj.get(name)
-    return _ABSENT if value is None else value
-
-
-def _required(obj: dict, name: str) -> Any:
-    if name not in obj:
-        _fail((name,), "required member is missing")
-    return obj[name]
-
-
-def _optional(obj: dict, name: str, convert: Callable[[Any], Any] | None = None) -> Any:
-    value = _get(obj, name)
-    if value is _ABSENT:
-        return None
-    return convert(value) if convert else value
-
-
-def _array(value: object, path: Path, max_length: int) -> tuple:
-    if not isinstance(value, list | tuple):
-        _fail(path, "must be an array")
-    if len(value) > max_length:
-        _fail(path, f"has {len(value)} entries; at most {max_length} are accepted")
-    return tuple(value)
-
-
-def _pair(value: object) -> object:
-    # Only a two-entry array becomes a tuple; anything else is handed on for the record's own
-    # check to name.
-    if isinstance(value, list | tuple) and len(value) == 2:
-        return tuple(value)
-    return value
-
-
-def _default(value: object, default: object) -> object:
-    return default if value is None else value
-
-
-def _lower(value: object) -> object:
-    return value.lower() if isinstance(value, str) else value
-
-
-R = TypeVar("R", bound="Record")
-
-
-def _nested(cls: type[R], value: object, path: Path, limits: Limits) -> R:
-    if not isinstance(value, dict):
-        _fail(path, "must be a JSON object")
-    try:
-        return cls._from_members(value, limits)
-    except InvalidRecord as error:
-        raise error.within(*path) from None
-
-
-def _nested_list(
-    cls: type[R], value: object, path: Path, max_length: int, limits: Limits
-) -> tuple[R, ...]:
-    items = _array(value, path, max_length)
-    return tuple(_nested(cls, item, (*path, index), limits) for index, item in enumerate(items))
-
-
-class Record(ABC):
-    """What every record shares: decoding from a JSON value, encoding to one."""
-
-    __slots__ = ()
-    NAME: ClassVar[str] = "record"
-
-    @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        if not isinstance(obj, dict):
-            raise InvalidRecord((), f"a {cls.NAME} must be a JSON object")
-        return cls._from_members(obj, limits)
-
-    @classmethod
-    @abstractmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        """The record from the members of a JSON object; errors name paths inside it."""
-
-    @abstractmethod
-    def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-ready dict."""
-
-
 # --- A frozen JSON object (sampler parameters) ------------------------------------------------
 
 
@@ -600,11 +511,17 @@ def _thaw(value: Any) -> Any:
 # type carries its bounds and, as its ``description``, the rule a value that breaks them is told
 # (``_rule``); the struct's ``__post_init__`` checks what spans members, on decoding and when code
 # builds the record. ``_decode`` turns msgspec's errors into ``InvalidRecord`` with the member's
-# path and rule, as the hand-written records do.
+# path and rule.
 
 
-def _rule(description: str, **bounds: Any) -> msgspec.Meta:
-    return msgspec.Meta(description=description, **bounds)
+def _rule(description: str, schema: dict[str, Any] | None = None, **bounds: Any) -> msgspec.Meta:
+    """A member's bounds, checked by msgspec, and the rule a value that breaks them is told.
+
+    ``schema`` adds to the member's JSON Schema what ``__post_init__`` checks instead of msgspec
+    (a hex pattern is checked for every identifier of a record in one pass, faster than a
+    regular expression per member), so that the OpenAPI description states it too.
+    """
+    return msgspec.Meta(description=description, extra_json_schema=schema, **bounds)
 
 
 class _BrokenRule(InvalidRecord, ValueError):
@@ -690,15 +607,19 @@ def _joined(prefix: Path, error: InvalidRecord) -> tuple:
     return (*prefix, *error.path), error.message, related
 
 
+def _check_array_bounds(obj: dict, bounded: Mapping[str, int], path: Path) -> None:
+    for name, most in bounded.items():
+        value = obj.get(name)
+        if isinstance(value, list | tuple) and len(value) > most:
+            _fail((*path, name), f"has {len(value)} entries; at most {most} are accepted")
+
+
 def _decode(cls: type[S], obj: object, bounded: Mapping[str, int] | None = None) -> S:
     """``obj``, a decoded JSON value, as a record of ``cls``; each member named in ``bounded``
     is an array of at most that many entries, checked before any entry is looked at."""
     if not isinstance(obj, dict):
         raise InvalidRecord((), f"a {cls.NAME} must be a JSON object")
-    for name, most in (bounded or {}).items():
-        value = obj.get(name)
-        if isinstance(value, list | tuple) and len(value) > most:
-            _fail((name,), f"has {len(value)} entries; at most {most} are accepted")
+    _check_array_bounds(obj, bounded or {}, ())
     try:
         return msgspec.convert(obj, cls)
     except msgspec.ValidationError as error:  # __post_init__'s _BrokenRule is its cause
@@ -707,21 +628,147 @@ def _decode(cls: type[S], obj: object, bounded: Mapping[str, int] | None = None)
 
 S = TypeVar("S", bound=msgspec.Struct)
 
+
+class WireRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the records defined as msgspec structs share: ``from_json`` bounds the arrays named
+    by ``_array_bounds`` and decodes; ``to_json`` is the struct's members in their order, an
+    optional member at its default (absent, or null) left out. A record whose JSON differs
+    from that (a member always present, even null) says so in its own ``to_json``."""
+
+    NAME: ClassVar[str] = "record"
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _decode(cls, obj, cls._array_bounds(limits))
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        """The most entries each array member may have, checked before any entry is."""
+        return {}
+
+    def to_json(self) -> dict[str, Any]:
+        members = msgspec.to_builtins(self, enc_hook=_thawed)
+        return _with_lists(members, _list_members(type(self)))
+
+
+def _thawed(value: object) -> object:
+    if isinstance(value, JsonObject):
+        return value.to_json()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+# msgspec.to_builtins keeps a record's tuples; a JSON-ready dict has lists, as JSON decodes to.
+_Lister = Callable[[Any], Any]
+
+
+def _with_lists(members: dict[str, Any], listers: tuple[tuple[str, _Lister], ...]) -> dict:
+    for name, lister in listers:
+        value = members.get(name)
+        if value is not None:
+            members[name] = lister(value)
+    return members
+
+
+@functools.cache
+def _list_members(cls: type) -> tuple[tuple[str, _Lister], ...]:
+    """(JSON name, what makes lists of its tuples) for each member of ``cls`` holding some."""
+    found = ((f.encode_name, _lister(f.type)) for f in _type_info(cls).fields)
+    return tuple((name, lister) for name, lister in found if lister is not None)
+
+
+def _lister(info: Any) -> _Lister | None:
+    info = _unwrapped(info)
+    if isinstance(info, msgspec.inspect.StructType):
+        inner = _list_members(info.cls)
+        return (lambda members: _with_lists(members, inner)) if inner else None
+    if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.TupleType):
+        items = getattr(info, "item_types", None) or (info.item_type,)
+        item = _lister(items[0]) if all(t == items[0] for t in items) else None
+        if item is None:
+            return list
+        return lambda values: [item(value) for value in values]
+    return None
+
+
 _HEX16_RULE = "must be hex16: 32 lowercase hex digits"
 _HEX32_RULE = "must be hex32: 64 lowercase hex digits"
 _DIGEST_RULE = 'must be "sha-256:" followed by 64 lowercase hex digits'
 _NAMESPACE_RULE = "must be unpadded base64url of five length-prefixed namespace fields"
-Hex16 = Annotated[str, _rule(_HEX16_RULE, min_length=32, max_length=32)]
-Hex32 = Annotated[str, _rule(_HEX32_RULE, min_length=64, max_length=64)]
-Digest = Annotated[str, _rule(_DIGEST_RULE, min_length=72, max_length=72)]
+Hex16 = Annotated[
+    str, _rule(_HEX16_RULE, {"pattern": "^[0-9a-f]{32}$"}, min_length=32, max_length=32)
+]
+Hex32 = Annotated[
+    str, _rule(_HEX32_RULE, {"pattern": "^[0-9a-f]{64}$"}, min_length=64, max_length=64)
+]
+Digest = Annotated[
+    str,
+    _rule(
+        _DIGEST_RULE, {"pattern": f"^{DIGEST_PREFIX}[0-9a-f]{{64}}$"}, min_length=72, max_length=72
+    ),
+]
 LayerIndex = Annotated[
     int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)
+]
+# URLs are checked in __post_init__ (``holder_url_rule_broken``, ``base_url_rule_broken``); the
+# schema states the part of their rules a pattern can.
+HolderUrl = Annotated[
+    str,
+    _rule(
+        "must be a URL string",
+        {"maxLength": MAX_URL_LENGTH, "pattern": "^(https?://[^/]+/.*/|moqt://[^/]+.*)$"},
+    ),
+]
+BaseUrl = Annotated[
+    str,
+    _rule("must be a URL string", {"maxLength": MAX_URL_LENGTH, "pattern": "^https?://[^/]+/.*/$"}),
 ]
 _RATE_RULE = f"must be a number greater than 0 and at most {MAX_SAFE_INTEGER}"
 Rate = (
     Annotated[int, _rule(_RATE_RULE, gt=0, le=MAX_SAFE_INTEGER)]
     | Annotated[float, _rule(_RATE_RULE, gt=0, le=MAX_SAFE_INTEGER)]
 )
+
+
+PositiveInt = Annotated[
+    int, _rule(f"must be an integer from 1 to {MAX_SAFE_INTEGER}", ge=1, le=MAX_SAFE_INTEGER)
+]
+Count = Annotated[
+    int, _rule(f"must be an integer from 0 to {MAX_SAFE_INTEGER}", ge=0, le=MAX_SAFE_INTEGER)
+]
+Text = Annotated[str, _rule("must be a string", {"maxLength": MAX_TEXT_LENGTH})]
+Uuid = Annotated[str, _rule("must be a UUID: 8-4-4-4-12 hex digits", {"format": "uuid"})]
+Segment = Annotated[
+    str,
+    _rule("must be 1 to 128 characters from A-Z a-z 0-9 . _ ~ -", pattern=f"^{_SEGMENT.pattern}$"),
+]
+
+
+def _choice_rule(choices: Iterable[str]) -> str:
+    return "must be one of " + ", ".join(sorted(f'"{c}"' for c in choices))
+
+
+def _rules(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A struct's ``__post_init__`` written with the ``_check_*`` functions: a rule they find
+    broken is raised as ``_BrokenRule``, so that msgspec adds the path of a nested struct."""
+
+    @functools.wraps(post_init)
+    def checked(self: Any) -> None:
+        try:
+            post_init(self)
+        except _BrokenRule:
+            raise
+        except InvalidRecord as error:
+            raise _BrokenRule(error.path, error.message, error.related) from None
+
+    return checked
+
+
+def _lowered(obj: object, member: str) -> object:
+    """``obj`` with ``member`` in lowercase when it is a string (a UUID is taken in either
+    case and kept in lowercase)."""
+    if isinstance(obj, dict) and isinstance(obj.get(member), str):
+        return {**obj, member: obj[member].lower()}
+    return obj
 
 
 def _lower_hex(value: str) -> bytes | None:
@@ -737,7 +784,7 @@ def _lower_hex(value: str) -> bytes | None:
 # --- Replica Record (4.4) ---------------------------------------------------------------------
 
 
-class ResidencyEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+class ResidencyEntry(WireRecord, frozen=True):
     """Which layers of a replica reside in one tier, and how fast the holder reads that tier."""
 
     NAME: ClassVar[str] = "residency entry"
@@ -762,16 +809,6 @@ class ResidencyEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     def layer_count(self) -> int:
         return self.layers[1] - self.layers[0] + 1
 
-    @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _decode(cls, obj)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"tier": self.tier, "layers": list(self.layers)}
-        if self.read_mbit_per_s is not None:
-            out["read_mbit_per_s"] = self.read_mbit_per_s
-        return out
-
 
 @functools.cache
 def _batch_body_type(member: str) -> type:
@@ -780,7 +817,7 @@ def _batch_body_type(member: str) -> type:
     )
 
 
-class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+class ReplicaRecord(WireRecord, frozen=True, kw_only=True):
     """A replica of one block at one holder (4.4, 6.1).
 
     ``residency`` is required and non-empty: a holder always knows where it keeps a replica, and
@@ -796,12 +833,16 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     block_key: Hex32
     compat_id: Hex32
     scope_id: Hex16
-    holder: Annotated[str, _rule("must be a URL string")]
+    holder: HolderUrl
     codec: Annotated[int, _rule(f"must be an integer from 1 to {UINT16_MAX}", ge=1, le=UINT16_MAX)]
     size: Annotated[
         int, _rule(f"must be an integer from 0 to {MAX_SAFE_INTEGER}", ge=0, le=MAX_SAFE_INTEGER)
     ]
     digest: Digest
+    layer_digests: (
+        Annotated[tuple[Hex32, ...], _rule("must be a non-empty array of hex32", min_length=1)]
+        | None
+    ) = None
     residency: Annotated[
         tuple[ResidencyEntry, ...],
         _rule("must be a non-empty array of residency entries", min_length=1),
@@ -809,10 +850,6 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     ttl_ms: Annotated[
         int, _rule(f"must be an integer from 1 to {MAX_SAFE_INTEGER}", ge=1, le=MAX_SAFE_INTEGER)
     ]
-    layer_digests: (
-        Annotated[tuple[Hex32, ...], _rule("must be a non-empty array of hex32", min_length=1)]
-        | None
-    ) = None
     moqt_namespace: Annotated[str, _rule(_NAMESPACE_RULE)] | None = None
 
     def __post_init__(self) -> None:
@@ -880,9 +917,8 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
         raise AssertionError("the joined hex was wrong, so one of its parts is")
 
     @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        bound = limits.max_layers
-        return _decode(cls, obj, {"layer_digests": bound, "residency": bound})
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"layer_digests": limits.max_layers, "residency": limits.max_layers}
 
     @classmethod
     def batch_from_body(
@@ -901,24 +937,6 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
             if len(record.residency) > bound or len(record.layer_digests or ()) > bound:
                 return None
         return records
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "block_key": self.block_key,
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "holder": self.holder,
-            "codec": self.codec,
-            "size": self.size,
-            "digest": self.digest,
-        }
-        if self.layer_digests is not None:
-            out["layer_digests"] = list(self.layer_digests)
-        out["residency"] = [entry.to_json() for entry in self.residency]
-        out["ttl_ms"] = self.ttl_ms
-        if self.moqt_namespace is not None:
-            out["moqt_namespace"] = self.moqt_namespace
-        return out
 
     def with_ttl(self, ttl_ms: int) -> ReplicaRecord:
         """The same record with another ``ttl_ms`` (the IS caps it at its maximum, 6.1)."""
@@ -1001,69 +1019,87 @@ class ReplicaRecord(msgspec.Struct, frozen=True, omit_defaults=True):
 # --- Instance Status Record (4.4, 6.3) --------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Link(Record):
+def _number(schema: dict[str, Any] | None = None) -> Any:
+    """A JSON number member, integer or not (an integer stays one); its range is checked by
+    ``_check_number`` in ``__post_init__``, which names the bound broken, and ``schema``
+    states it."""
+    rule = _rule("must be a number", schema)
+    return Annotated[int, rule] | Annotated[float, rule]
+
+
+class Link(WireRecord, frozen=True):
     """The instance's link to one holder: its rate and round-trip time."""
 
     NAME: ClassVar[str] = "link"
 
-    holder: str
-    mbit_per_s: int | float
-    rtt_us: int | float
+    holder: HolderUrl
+    mbit_per_s: _number({"minimum": 0, "exclusiveMinimum": True})
+    rtt_us: _number({"minimum": 0})
 
+    @_rules
     def __post_init__(self) -> None:
         _check_holder(self.holder, ("holder",))
         _check_number(self.mbit_per_s, ("mbit_per_s",), positive=True)
         _check_number(self.rtt_us, ("rtt_us",), lo=0)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            holder=_required(obj, "holder"),
-            mbit_per_s=_required(obj, "mbit_per_s"),
-            rtt_us=_required(obj, "rtt_us"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"holder": self.holder, "mbit_per_s": self.mbit_per_s, "rtt_us": self.rtt_us}
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceStatusRecord(Record):
+class InstanceStatusRecord(WireRecord, frozen=True, kw_only=True):
     """An instance's report to the PC (4.4, 6.3).
 
     Every member of the spec's example is required except ``requested_state`` (absent means
-    null): the PC prices placement with ``queued``, ``prefill_tokens_per_s`` (recompute) and
-    ``decode_tokens_per_s`` (service time), and judges capacity with ``running``, ``batch_size``
-    and ``kv_utilization``, so a record without them is more likely a fault than a choice.
-    ``links`` may be empty; a holder without a link is one the instance cannot be priced to
-    fetch from. ``requested_state`` may only be "sleeping" (6.3: an instance may ask to sleep;
-    waking is the PC's decision). Two extension members (DESIGN.md section 3) say which
-    requests placement may send the instance: ``compat_ids`` lists the compatibility ids it
-    serves (absent or empty, it serves any), and ``engine`` is false for a node without an
-    engine (a storage-only holder, which reports its status for its links and liveness alone
-    and is never a placement or resume candidate, whatever its compat ids); absent, the
-    instance runs an engine.
+    null, and the record always states it): the PC prices placement with ``queued``,
+    ``prefill_tokens_per_s`` (recompute) and ``decode_tokens_per_s`` (service time), and judges
+    capacity with ``running``, ``batch_size`` and ``kv_utilization``, so a record without them is
+    more likely a fault than a choice. ``links`` may be empty; a holder without a link is one the
+    instance cannot be priced to fetch from. ``requested_state`` may only be "sleeping" (6.3: an
+    instance may ask to sleep; waking is the PC's decision). Two extension members (DESIGN.md
+    section 3) say which requests placement may send the instance: ``compat_ids`` lists the
+    compatibility ids it serves (absent or empty, it serves any), and ``engine`` is false for a
+    node without an engine (a storage-only holder, which reports its status for its links and
+    liveness alone and is never a placement or resume candidate, whatever its compat ids);
+    absent, the instance runs an engine.
     """
 
     NAME: ClassVar[str] = "Instance Status Record"
 
-    instance: str
-    epoch: int
-    state: str
-    running: int
-    queued: int
-    batch_size: int
-    kv_utilization: int | float
-    prefill_tokens_per_s: int | float
-    decode_tokens_per_s: int | float
-    links: tuple[Link, ...]
-    ttl_ms: int
-    requested_state: str | None = None
-    compat_ids: tuple[str, ...] | None = None
-    engine: bool = True
+    instance: BaseUrl
+    epoch: Count
+    state: Annotated[str, _rule(_choice_rule(InstanceState), {"enum": sorted(InstanceState)})]
+    running: Count
+    queued: Count
+    batch_size: Count
+    kv_utilization: _number({"minimum": 0, "maximum": 1})
+    prefill_tokens_per_s: _number({"minimum": 0, "exclusiveMinimum": True})
+    decode_tokens_per_s: _number({"minimum": 0, "exclusiveMinimum": True})
+    links: Annotated[tuple[Link, ...], _rule("must be an array of links")]
+    # UNSET only until __post_init__: absent or null, the member is written as null.
+    requested_state: (
+        Annotated[
+            str,
+            _rule(
+                _choice_rule(REQUESTABLE_INSTANCE_STATES),
+                {"enum": sorted(REQUESTABLE_INSTANCE_STATES)},
+            ),
+        ]
+        | None
+        | msgspec.UnsetType
+    ) = msgspec.UNSET
+    ttl_ms: PositiveInt
+    compat_ids: (
+        Annotated[
+            tuple[Hex32, ...],
+            _rule("must be an array of compatibility ids", {"uniqueItems": True}),
+        ]
+        | None
+    ) = None
+    engine: Annotated[bool, _rule("must be true or false")] | None = True
 
+    @_rules
     def __post_init__(self) -> None:
+        if self.requested_state is msgspec.UNSET:
+            msgspec.structs.force_setattr(self, "requested_state", None)
+        if self.engine is None:
+            msgspec.structs.force_setattr(self, "engine", True)
         _check_base_url(self.instance, ("instance",))
         _check_int(self.epoch, ("epoch",))
         _check_choice(self.state, ("state",), frozenset(InstanceState))
@@ -1097,46 +1133,8 @@ class InstanceStatusRecord(Record):
         return self.engine and (not self.compat_ids or compat_id in self.compat_ids)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            instance=_required(obj, "instance"),
-            epoch=_required(obj, "epoch"),
-            state=_required(obj, "state"),
-            running=_required(obj, "running"),
-            queued=_required(obj, "queued"),
-            batch_size=_required(obj, "batch_size"),
-            kv_utilization=_required(obj, "kv_utilization"),
-            prefill_tokens_per_s=_required(obj, "prefill_tokens_per_s"),
-            decode_tokens_per_s=_required(obj, "decode_tokens_per_s"),
-            links=_nested_list(Link, _required(obj, "links"), ("links",), limits.max_links, limits),
-            ttl_ms=_required(obj, "ttl_ms"),
-            requested_state=_optional(obj, "requested_state"),
-            compat_ids=_optional(
-                obj, "compat_ids", lambda v: _array(v, ("compat_ids",), limits.max_compat_ids)
-            ),
-            engine=True if (engine := _optional(obj, "engine")) is None else engine,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "instance": self.instance,
-            "epoch": self.epoch,
-            "state": self.state,
-            "running": self.running,
-            "queued": self.queued,
-            "batch_size": self.batch_size,
-            "kv_utilization": self.kv_utilization,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "links": [link.to_json() for link in self.links],
-            "requested_state": self.requested_state,
-            "ttl_ms": self.ttl_ms,
-        }
-        if self.compat_ids is not None:
-            out["compat_ids"] = list(self.compat_ids)
-        if not self.engine:
-            out["engine"] = False
-        return out
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"links": limits.max_links, "compat_ids": limits.max_compat_ids}
 
 
 # --- Session Checkpoint (4.4, 6.8) ------------------------------------------------------------
@@ -1170,23 +1168,31 @@ SAMPLER_METHODS: Mapping[
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Sampler(Record):
-    """The sampler state of a session (4.4): method, parameters, seed (uint64), step."""
+class Sampler(WireRecord, frozen=True, omit_defaults=False):
+    """The sampler state of a session (4.4): method, parameters, seed (uint64), step.
+
+    ``params`` is decoded as a JSON object and kept frozen, as a ``JsonObject``. A record
+    decoded holds it to ``Limits.max_params`` and ``max_depth``; one built in code (from an
+    engine's sampler) to generous bounds only.
+    """
 
     NAME: ClassVar[str] = "sampler"
 
-    method: str
-    params: JsonObject
-    seed: int
-    step: int
-    deterministic: bool
+    method: Annotated[str, _rule(_choice_rule(SAMPLER_METHODS), {"enum": sorted(SAMPLER_METHODS)})]
+    params: Annotated[dict[str, Any], _rule("must be a JSON object")]
+    # msgspec bounds integers within int64: the uint64 bound is checked in __post_init__.
+    seed: Annotated[
+        int, _rule(f"must be an integer from 0 to {UINT64_MAX}", {"maximum": UINT64_MAX}, ge=0)
+    ]
+    step: Count
+    deterministic: Annotated[bool, _rule("must be true or false")]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_choice(self.method, ("method",), tuple(SAMPLER_METHODS))
         if isinstance(self.params, Mapping) and not isinstance(self.params, JsonObject):
-            # A caller building a sampler in code may hand a dict; the record keeps it frozen.
-            object.__setattr__(self, "params", freeze_json(self.params, ("params",), [4096], 0, 64))
+            frozen = freeze_json(self.params, ("params",), [4096], 0, 64)
+            msgspec.structs.force_setattr(self, "params", frozen)
         if not isinstance(self.params, JsonObject):
             _fail(("params",), "must be a JSON object")
         required, optional = SAMPLER_METHODS[self.method]
@@ -1202,30 +1208,20 @@ class Sampler(Record):
         _check_bool(self.deterministic, ("deterministic",))
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        params = _required(obj, "params")
-        if not isinstance(params, dict):
-            _fail(("params",), "must be a JSON object")
-        return cls(
-            method=_required(obj, "method"),
-            params=freeze_json(params, ("params",), [limits.max_params + 1], 0, limits.max_depth),
-            seed=_required(obj, "seed"),
-            step=_required(obj, "step"),
-            deterministic=_required(obj, "deterministic"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "params": self.params.to_json(),
-            "seed": self.seed,
-            "step": self.step,
-            "deterministic": self.deterministic,
-        }
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        _check_params_bounds(obj, (), limits)
+        return _decode(cls, obj)
 
 
-@dataclass(frozen=True, slots=True)
-class SessionCheckpoint(Record):
+def _check_params_bounds(sampler: object, path: Path, limits: Limits) -> None:
+    """The bounds of ``limits`` on the params of a sampler about to be decoded."""
+    params = sampler.get("params") if isinstance(sampler, dict) else None
+    if isinstance(params, dict):
+        budget = [limits.max_params + 1]
+        freeze_json(params, (*path, "params"), budget, 0, limits.max_depth)
+
+
+class SessionCheckpoint(WireRecord, frozen=True):
     """A session's state, enough for another instance to resume it (4.4, 6.8).
 
     ``generated`` holds the session's output tokens from the first; ``output_offset`` is how many
@@ -1236,16 +1232,24 @@ class SessionCheckpoint(Record):
 
     NAME: ClassVar[str] = "Session Checkpoint"
 
-    session: str
-    epoch: int
-    compat_id: str
-    scope_id: str
-    prompt_blocks: tuple[str, ...]
-    prompt_tail: tuple[int, ...]
-    generated: tuple[int, ...]
-    output_offset: int
+    session: Uuid
+    epoch: Annotated[
+        int,
+        _rule(
+            f"must be an integer from {FIRST_SESSION_EPOCH} to {MAX_SAFE_INTEGER}",
+            ge=FIRST_SESSION_EPOCH,
+            le=MAX_SAFE_INTEGER,
+        ),
+    ]
+    compat_id: Hex32
+    scope_id: Hex16
+    prompt_blocks: Annotated[tuple[Hex32, ...], _rule("must be an array of block keys")]
+    prompt_tail: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids")]
+    generated: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids")]
+    output_offset: Count
     sampler: Sampler
 
+    @_rules
     def __post_init__(self) -> None:
         _check_uuid(self.session, ("session",))
         _check_int(self.epoch, ("epoch",), FIRST_SESSION_EPOCH)
@@ -1269,59 +1273,39 @@ class SessionCheckpoint(Record):
         return self.generated[: self.output_offset]
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            session=_lower(_required(obj, "session")),
-            epoch=_required(obj, "epoch"),
-            compat_id=_required(obj, "compat_id"),
-            scope_id=_required(obj, "scope_id"),
-            prompt_blocks=_array(
-                _required(obj, "prompt_blocks"), ("prompt_blocks",), limits.max_block_keys
-            ),
-            prompt_tail=_array(_required(obj, "prompt_tail"), ("prompt_tail",), limits.max_tokens),
-            generated=_array(_required(obj, "generated"), ("generated",), limits.max_tokens),
-            output_offset=_required(obj, "output_offset"),
-            sampler=_nested(Sampler, _required(obj, "sampler"), ("sampler",), limits),
-        )
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        if isinstance(obj, dict):
+            _check_params_bounds(obj.get("sampler"), ("sampler",), limits)
+        return _decode(cls, _lowered(obj, "session"), cls._array_bounds(limits))
 
-    def to_json(self) -> dict[str, Any]:
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
         return {
-            "session": self.session,
-            "epoch": self.epoch,
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "prompt_blocks": list(self.prompt_blocks),
-            "prompt_tail": list(self.prompt_tail),
-            "generated": list(self.generated),
-            "output_offset": self.output_offset,
-            "sampler": self.sampler.to_json(),
+            "prompt_blocks": limits.max_block_keys,
+            "prompt_tail": limits.max_tokens,
+            "generated": limits.max_tokens,
         }
 
 
 # --- Lookup (6.2) and placement (6.4) requests ------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class LookupRequest(Record):
+class LookupRequest(WireRecord, frozen=True):
     """POST {is-base}lookup (6.2). ``block_keys`` may be empty (a prompt shorter than a block)."""
 
     NAME: ClassVar[str] = "lookup request"
 
-    scope_id: str
-    compat_id: str
-    block_keys: tuple[str, ...]
-    targets: tuple[str, ...] | None = None
+    scope_id: Hex16
+    compat_id: Hex32
+    block_keys: Annotated[tuple[Hex32, ...], _rule("must be an array of block keys")]
+    targets: (
+        Annotated[
+            tuple[BaseUrl, ...], _rule("must be an array of instance URLs", {"uniqueItems": True})
+        ]
+        | None
+    ) = None
 
-    @classmethod
-    def from_json(
-        cls, obj: object, limits: Limits = DEFAULT_LIMITS, *, max_keys: int | None = None
-    ) -> Self:
-        """As ``Record.from_json``; ``max_keys``, when given, bounds ``block_keys`` instead of
-        ``limits.max_block_keys``."""
-        if max_keys is not None:
-            limits = dataclasses.replace(limits, max_block_keys=max_keys)
-        return super(LookupRequest, cls).from_json(obj, limits)
-
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.scope_id, ("scope_id",), 16)
         _check_hex(self.compat_id, ("compat_id",), 32)
@@ -1332,38 +1316,31 @@ class LookupRequest(Record):
             _check_unique(self.targets, ("targets",), lambda t: t)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            scope_id=_required(obj, "scope_id"),
-            compat_id=_required(obj, "compat_id"),
-            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
-            targets=_optional(
-                obj, "targets", lambda v: _array(v, ("targets",), limits.max_targets)
-            ),
-        )
+    def from_json(
+        cls, obj: object, limits: Limits = DEFAULT_LIMITS, *, max_keys: int | None = None
+    ) -> Self:
+        """As ``WireRecord.from_json``; ``max_keys``, when given, bounds ``block_keys`` instead
+        of ``limits.max_block_keys``."""
+        if max_keys is not None:
+            limits = dataclasses.replace(limits, max_block_keys=max_keys)
+        return _decode(cls, obj, cls._array_bounds(limits))
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "scope_id": self.scope_id,
-            "compat_id": self.compat_id,
-            "block_keys": list(self.block_keys),
-        }
-        if self.targets is not None:
-            out["targets"] = list(self.targets)
-        return out
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"block_keys": limits.max_block_keys, "targets": limits.max_targets}
 
 
 TokenId = Annotated[int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)]
 
 
-class PlacementRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+class PlacementRequest(WireRecord, frozen=True):
     """POST CP placements (DESIGN.md section 3): a prompt of at least one token to place."""
 
     NAME: ClassVar[str] = "placement request"
 
     scope_id: Hex16
     compat_id: Hex32
-    tokens: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids")]
+    tokens: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids", {"minItems": 1})]
     request_ref: (
         Annotated[
             str,
@@ -1384,32 +1361,25 @@ class PlacementRequest(msgspec.Struct, frozen=True, omit_defaults=True):
             _broken(("tokens",), "must not be empty")
 
     @classmethod
-    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _decode(cls, obj, {"tokens": limits.max_tokens})
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "scope_id": self.scope_id,
-            "compat_id": self.compat_id,
-            "tokens": list(self.tokens),
-        }
-        if self.request_ref is not None:
-            out["request_ref"] = self.request_ref
-        return out
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"tokens": limits.max_tokens}
 
 
 # --- Prefetch directive and its state (6.5, DESIGN.md section 3) ------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class DirectiveBlock(Record):
+class DirectiveBlock(WireRecord, frozen=True):
     """One block of a prefetch directive and the holders to load it from, preferred first."""
 
     NAME: ClassVar[str] = "directive block"
 
-    block_key: str
-    sources: tuple[str, ...]
+    block_key: Hex32
+    sources: Annotated[
+        tuple[HolderUrl, ...],
+        _rule("must be an array of holder URLs", {"minItems": 1, "uniqueItems": True}),
+    ]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.block_key, ("block_key",), 32)
         _check_tuple(self.sources, ("sources",), non_empty=True)
@@ -1417,32 +1387,40 @@ class DirectiveBlock(Record):
         _check_unique(self.sources, ("sources",), lambda s: s)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            block_key=_required(obj, "block_key"),
-            sources=_array(_required(obj, "sources"), ("sources",), limits.max_sources),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {"block_key": self.block_key, "sources": list(self.sources)}
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"sources": limits.max_sources}
 
 
-@dataclass(frozen=True, slots=True)
-class PrefetchDirective(Record):
+def _check_sources_bounds(blocks: object, path: Path, limits: Limits) -> None:
+    """The bound on the sources of each directive block about to be decoded."""
+    if isinstance(blocks, list) and len(blocks) <= limits.max_block_keys:
+        for index, block in enumerate(blocks):
+            if isinstance(block, dict):
+                _check_array_bounds(block, {"sources": limits.max_sources}, (*path, index))
+
+
+class PrefetchDirective(WireRecord, frozen=True, kw_only=True):
     """POST {ii-base}prefetch (6.5). ``layer_order`` defaults to "ascending", the only order."""
 
     NAME: ClassVar[str] = "prefetch directive"
 
-    directive: str
-    scope_id: str
-    compat_id: str
-    blocks: tuple[DirectiveBlock, ...]
-    deadline_ms: int
-    lease_ms: int
-    request_ref: str | None = None
-    layer_order: str = "ascending"
+    directive: Uuid
+    request_ref: Text | None = None
+    scope_id: Hex16
+    compat_id: Hex32
+    blocks: Annotated[
+        tuple[DirectiveBlock, ...],
+        _rule("must be an array of directive blocks", {"minItems": 1}),
+    ]
+    # Absent or null, the only order there is; the record always states it.
+    layer_order: Annotated[Literal[LAYER_ORDERS], _rule(_choice_rule(LAYER_ORDERS))] | None = None
+    deadline_ms: PositiveInt
+    lease_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
+        if self.layer_order is None:
+            msgspec.structs.force_setattr(self, "layer_order", LAYER_ORDERS[0])
         _check_uuid(self.directive, ("directive",))
         if self.request_ref is not None:
             _check_text(self.request_ref, ("request_ref",))
@@ -1462,53 +1440,31 @@ class PrefetchDirective(Record):
         return tuple(block.block_key for block in self.blocks)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            directive=_lower(_required(obj, "directive")),
-            request_ref=_optional(obj, "request_ref"),
-            scope_id=_required(obj, "scope_id"),
-            compat_id=_required(obj, "compat_id"),
-            blocks=_nested_list(
-                DirectiveBlock,
-                _required(obj, "blocks"),
-                ("blocks",),
-                limits.max_block_keys,
-                limits,
-            ),
-            layer_order=_default(_optional(obj, "layer_order"), "ascending"),
-            deadline_ms=_required(obj, "deadline_ms"),
-            lease_ms=_required(obj, "lease_ms"),
-        )
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        if isinstance(obj, dict):
+            _check_sources_bounds(obj.get("blocks"), ("blocks",), limits)
+        return _decode(cls, _lowered(obj, "directive"), cls._array_bounds(limits))
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"directive": self.directive}
-        if self.request_ref is not None:
-            out["request_ref"] = self.request_ref
-        out.update(
-            {
-                "scope_id": self.scope_id,
-                "compat_id": self.compat_id,
-                "blocks": [block.to_json() for block in self.blocks],
-                "layer_order": self.layer_order,
-                "deadline_ms": self.deadline_ms,
-                "lease_ms": self.lease_ms,
-            }
-        )
-        return out
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"blocks": limits.max_block_keys}
 
 
-@dataclass(frozen=True, slots=True)
-class DirectiveState(Record):
+class DirectiveState(WireRecord, frozen=True, omit_defaults=False):
     """GET {ii-base}prefetch/{directive} (6.5, DESIGN.md section 3): the state, the keys loaded
-    so far in prefix order, and a reason (for "partial" and "failed"; null otherwise)."""
+    so far in prefix order, and a reason (for "partial" and "failed"; null otherwise, and
+    always present)."""
 
     NAME: ClassVar[str] = "directive state"
 
-    directive: str
-    state: str
-    loaded: tuple[str, ...]
-    reason: str | None = None
+    directive: Uuid
+    state: Annotated[str, _rule(_choice_rule(DirectiveStatus), {"enum": sorted(DirectiveStatus)})]
+    loaded: Annotated[
+        tuple[Hex32, ...], _rule("must be an array of block keys", {"uniqueItems": True})
+    ]
+    reason: Text | None = None
 
+    @_rules
     def __post_init__(self) -> None:
         _check_uuid(self.directive, ("directive",))
         _check_choice(self.state, ("state",), frozenset(DirectiveStatus))
@@ -1518,27 +1474,214 @@ class DirectiveState(Record):
             _check_text(self.reason, ("reason",))
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            directive=_lower(_required(obj, "directive")),
-            state=_required(obj, "state"),
-            loaded=_array(_required(obj, "loaded"), ("loaded",), limits.max_block_keys),
-            reason=_optional(obj, "reason"),
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _decode(cls, _lowered(obj, "directive"), cls._array_bounds(limits))
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"loaded": limits.max_block_keys}
+
+
+# --- Requests that start serving a session on a node (6.8, DESIGN.md section 3) --------------
+
+# The member of ``sampler.params`` that carries a session's length. A Session Checkpoint (4.4) has
+# no member for the number of output tokens the session was asked for, yet the instance that
+# resumes it must stop where the first one would have: params reach the resuming instance
+# unchanged, and a sampler ignores the member (it changes no draw).
+MAX_TOKENS_PARAM = "max_tokens"
+GREEDY = "greedy"
+
+
+def session_sampler(method: object, params: object, seed: object, step: object) -> Sampler:
+    """The sampler member of a session's checkpoints (4.4), checked as the engine's samplers
+    check it: a registered method, its parameters, and no parameter the engine does not
+    implement (``max_tokens`` aside), since ignoring one would resume a different sampler."""
+    if not isinstance(params, Mapping):
+        _fail(("params",), "must be a JSON object")
+    record = Sampler(
+        method=method, params=params, seed=seed, step=step, deterministic=method == GREEDY
+    )
+    required, optional = SAMPLER_METHODS[record.method]
+    unknown = sorted(set(record.params) - set(required) - set(optional) - {MAX_TOKENS_PARAM})
+    if unknown:
+        _fail(("params",), f"method {record.method!r} here takes no {', '.join(unknown)}")
+    if MAX_TOKENS_PARAM in record.params:
+        _check_int(record.params[MAX_TOKENS_PARAM], ("params", MAX_TOKENS_PARAM), 1)
+    return record
+
+
+class GenerateSampler(WireRecord, frozen=True, omit_defaults=False):
+    """The sampler a generate request asks for: a method, its parameters (absent, none) and a
+    seed (absent, 0); the session's checkpoints carry it from step 0 (``record``)."""
+
+    NAME: ClassVar[str] = "sampler"
+
+    method: Annotated[str, _rule(_choice_rule(SAMPLER_METHODS), {"enum": sorted(SAMPLER_METHODS)})]
+    params: Annotated[dict[str, Any], _rule("must be a JSON object")] | None = None
+    # msgspec bounds integers within int64: the uint64 bound is the sampler's to check.
+    seed: (
+        Annotated[
+            int, _rule(f"must be an integer from 0 to {UINT64_MAX}", {"maximum": UINT64_MAX}, ge=0)
+        ]
+        | None
+    ) = None
+
+    @_rules
+    def __post_init__(self) -> None:
+        if self.params is None:
+            msgspec.structs.force_setattr(self, "params", {})
+        if self.seed is None:
+            msgspec.structs.force_setattr(self, "seed", 0)
+        self.record()
+
+    def record(self, step: int = 0) -> Sampler:
+        return session_sampler(self.method, self.params, self.seed, step)
+
+
+class GenerateRequest(WireRecord, frozen=True, kw_only=True):
+    """``POST II generate``, this implementation's own request (inference is outside the spec's
+    scope, 1.3): a new session from a prompt of token ids. ``sampler`` absent is greedy;
+    ``request_ref`` is that of the placement whose prefetch directive loads the prompt's blocks
+    (6.5). A body that is not an object, or a ``session`` that is not a UUID, is a malformed
+    request, not an invalid record: the node cannot name the session it would refuse."""
+
+    NAME: ClassVar[str] = "generate request"
+
+    session: Uuid
+    scope_id: Hex16
+    compat_id: Hex32
+    prompt: Annotated[tuple[TokenId, ...], _rule("must be an array of token ids", {"minItems": 1})]
+    max_tokens: PositiveInt
+    sampler: GenerateSampler | None = None
+    request_ref: (
+        Annotated[
+            str,
+            _rule(
+                f"must be a string of 1 to {MAX_TEXT_LENGTH} characters",
+                min_length=1,
+                max_length=MAX_TEXT_LENGTH,
+            ),
+        ]
+        | None
+    ) = None
+
+    @_rules
+    def __post_init__(self) -> None:
+        if self.sampler is None:
+            msgspec.structs.force_setattr(self, "sampler", GenerateSampler(GREEDY))
+        _check_uuid(self.session, ("session",))
+        _check_hex(self.scope_id, ("scope_id",), 16)
+        _check_hex(self.compat_id, ("compat_id",), 32)
+        _check_tuple(self.prompt, ("prompt",), non_empty=True)
+        _check_uint32_list(self.prompt, ("prompt",))
+        _check_int(self.max_tokens, ("max_tokens",), 1)
+        if not isinstance(self.sampler, GenerateSampler):
+            _fail(("sampler",), "must be a sampler object")
+        if MAX_TOKENS_PARAM in self.sampler.params:
+            _fail(
+                ("sampler", "params"),
+                f"give {MAX_TOKENS_PARAM} beside the sampler, not in it",
+            )
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        if not isinstance(obj, dict):
+            raise ProtocolError("kvsp-malformed-request", f"a {cls.NAME} must be a JSON object")
+        session = parse_uuid(obj.get("session"), "session", problem="kvsp-malformed-request")
+        return _decode(cls, {**obj, "session": str(session)}, cls._array_bounds(limits))
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"prompt": limits.max_tokens}
+
+
+class ResumeRequest(WireRecord, frozen=True, kw_only=True, omit_defaults=False):
+    """``POST II sessions/{session}/resume`` (6.8), as the PC sends it: the session, its new
+    epoch, its latest checkpoint, and the blocks of the checkpoint's prompt to load (with their
+    sources) or already resident where it is sent. ``blocks`` and ``resident`` absent are empty;
+    ``deadline_ms`` and ``lease_ms`` absent are the node's to choose (``with_prefetch_bounds``).
+    """
+
+    NAME: ClassVar[str] = "resume request"
+
+    session: Uuid
+    epoch: PositiveInt
+    checkpoint: SessionCheckpoint
+    blocks: (
+        Annotated[tuple[DirectiveBlock, ...], _rule("must be an array of directive blocks")] | None
+    ) = None
+    resident: Annotated[tuple[Hex32, ...], _rule("must be an array of block keys")] | None = None
+    deadline_ms: PositiveInt | None = None
+    lease_ms: PositiveInt | None = None
+
+    @_rules
+    def __post_init__(self) -> None:
+        if self.blocks is None:
+            msgspec.structs.force_setattr(self, "blocks", ())
+        if self.resident is None:
+            msgspec.structs.force_setattr(self, "resident", ())
+        _check_uuid(self.session, ("session",))
+        _check_int(self.epoch, ("epoch",), 1)
+        checkpoint = self.checkpoint
+        if not isinstance(checkpoint, SessionCheckpoint):
+            _fail(("checkpoint",), "must be a Session Checkpoint")
+        if checkpoint.session != self.session:
+            _fail(("checkpoint", "session"), "not the session resumed")
+        if checkpoint.epoch >= self.epoch:
+            _fail(
+                ("epoch",),
+                f"must be above the checkpoint's epoch {checkpoint.epoch}: a resumed session "
+                "runs under a new epoch (6.8)",
+            )
+        sampler = checkpoint.sampler
+        try:
+            session_sampler(sampler.method, sampler.params, sampler.seed, sampler.step)
+        except InvalidRecord as error:
+            raise error.within("checkpoint", "sampler") from None
+        if not checkpoint.prompt_tail and not checkpoint.output_offset:
+            _fail(
+                ("checkpoint",),
+                "no token after the prompt blocks, so there is nothing to compute the first "
+                "output token from",
+            )
+        _check_tuple(self.blocks, ("blocks",))
+        for index, block in enumerate(self.blocks):
+            if not isinstance(block, DirectiveBlock):
+                _fail(("blocks", index), "must be a directive block")
+        _check_hex_list(self.resident, ("resident",), 32)
+
+    def with_prefetch_bounds(self, deadline_ms: int, lease_ms: int) -> ResumeRequest:
+        """The request with the node's ``deadline_ms`` and ``lease_ms`` where the PC left them
+        out."""
+        return msgspec.structs.replace(
+            self,
+            deadline_ms=deadline_ms if self.deadline_ms is None else self.deadline_ms,
+            lease_ms=lease_ms if self.lease_ms is None else self.lease_ms,
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "directive": self.directive,
-            "state": self.state,
-            "loaded": list(self.loaded),
-            "reason": self.reason,
-        }
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        checkpoint = obj.get("checkpoint") if isinstance(obj, dict) else None
+        if isinstance(checkpoint, dict):
+            _check_array_bounds(
+                checkpoint, SessionCheckpoint._array_bounds(limits), ("checkpoint",)
+            )
+            _check_params_bounds(checkpoint.get("sampler"), ("checkpoint", "sampler"), limits)
+            checkpoint = _lowered(checkpoint, "session")
+            obj = {**_lowered(obj, "session"), "checkpoint": checkpoint}
+        if isinstance(obj, dict):
+            _check_sources_bounds(obj.get("blocks"), ("blocks",), limits)
+        return _decode(cls, _lowered(obj, "session"), cls._array_bounds(limits))
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"blocks": limits.max_block_keys, "resident": limits.max_block_keys}
 
 
 # --- Leases (6.6) -----------------------------------------------------------------------------
 
 
-class BlockBatchRequest(msgspec.Struct, frozen=True):
+class BlockBatchRequest(WireRecord, frozen=True):
     """POST {holder}blocks/{compat}/{scope}: the blocks of one compat and scope that a client
     retrieves in one request, in the order it wants them (an extension of 6.7; each block comes
     back as the part a GET of its resource would answer, docs/api.md "Blocks in batches"). Keys are
@@ -1547,7 +1690,8 @@ class BlockBatchRequest(msgspec.Struct, frozen=True):
     NAME: ClassVar[str] = "block batch request"
 
     block_keys: Annotated[
-        tuple[Hex32, ...], _rule("must be a non-empty array of block keys", min_length=1)
+        tuple[Hex32, ...],
+        _rule("must be a non-empty array of block keys", {"uniqueItems": True}, min_length=1),
     ]
 
     def __post_init__(self) -> None:
@@ -1566,12 +1710,11 @@ class BlockBatchRequest(msgspec.Struct, frozen=True):
             _fail(("block_keys",), f"has more than {limits.max_block_keys} entries")
         return _decode(cls, obj)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"block_keys": list(self.block_keys)}
+
+_BLOCK_KEYS_RULE = _rule("must be an array of block keys", {"minItems": 1, "uniqueItems": True})
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseRequest(Record):
+class LeaseRequest(WireRecord, frozen=True):
     """POST {holder}leases (6.6).
 
     Besides the block keys and ``ttl_ms`` the spec names, the request carries ``compat_id`` and
@@ -1581,11 +1724,12 @@ class LeaseRequest(Record):
 
     NAME: ClassVar[str] = "lease request"
 
-    compat_id: str
-    scope_id: str
-    block_keys: tuple[str, ...]
-    ttl_ms: int
+    compat_id: Hex32
+    scope_id: Hex16
+    block_keys: Annotated[tuple[Hex32, ...], _BLOCK_KEYS_RULE]
+    ttl_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.compat_id, ("compat_id",), 32)
         _check_hex(self.scope_id, ("scope_id",), 16)
@@ -1594,44 +1738,23 @@ class LeaseRequest(Record):
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            compat_id=_required(obj, "compat_id"),
-            scope_id=_required(obj, "scope_id"),
-            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
-            ttl_ms=_required(obj, "ttl_ms"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "block_keys": list(self.block_keys),
-            "ttl_ms": self.ttl_ms,
-        }
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"block_keys": limits.max_block_keys}
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseRenewal(Record):
+class LeaseRenewal(WireRecord, frozen=True):
     """PUT {holder}leases/{id} (6.6): the TTL asked for from now."""
 
     NAME: ClassVar[str] = "lease renewal"
 
-    ttl_ms: int
+    ttl_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(ttl_ms=_required(obj, "ttl_ms"))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"ttl_ms": self.ttl_ms}
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseGrant(Record):
+class LeaseGrant(WireRecord, frozen=True):
     """A holder's answer to a lease request or renewal (6.6).
 
     ``lease`` is the identifier (one URL path segment), ``ttl_ms`` the TTL granted, which the
@@ -1641,13 +1764,14 @@ class LeaseGrant(Record):
 
     NAME: ClassVar[str] = "lease grant"
 
-    lease: str
-    compat_id: str
-    scope_id: str
-    block_keys: tuple[str, ...]
-    ttl_ms: int
-    expires_ms: int
+    lease: Segment
+    compat_id: Hex32
+    scope_id: Hex16
+    block_keys: Annotated[tuple[Hex32, ...], _BLOCK_KEYS_RULE]
+    ttl_ms: PositiveInt
+    expires_ms: Count
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.lease, ("lease",))
         _check_hex(self.compat_id, ("compat_id",), 32)
@@ -1658,25 +1782,8 @@ class LeaseGrant(Record):
         _check_int(self.expires_ms, ("expires_ms",))
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            lease=_required(obj, "lease"),
-            compat_id=_required(obj, "compat_id"),
-            scope_id=_required(obj, "scope_id"),
-            block_keys=_array(_required(obj, "block_keys"), ("block_keys",), limits.max_block_keys),
-            ttl_ms=_required(obj, "ttl_ms"),
-            expires_ms=_required(obj, "expires_ms"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "lease": self.lease,
-            "compat_id": self.compat_id,
-            "scope_id": self.scope_id,
-            "block_keys": list(self.block_keys),
-            "ttl_ms": self.ttl_ms,
-            "expires_ms": self.expires_ms,
-        }
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"block_keys": limits.max_block_keys}
 
 
 # --- Delegated tokens (DESIGN.md section 6) ---------------------------------------------------
@@ -1692,98 +1799,74 @@ def _check_token(value: object, path: Path) -> None:
         _fail(path, f"must be at most {MAX_BEARER_TOKEN_LENGTH} characters, none of them spaces")
 
 
-@dataclass(frozen=True, slots=True)
-class TokenRequest(Record):
+BearerToken = Annotated[
+    str,
+    _rule(
+        "must be a non-empty ASCII string", {"minLength": 1, "maxLength": MAX_BEARER_TOKEN_LENGTH}
+    ),
+]
+
+
+class TokenRequest(WireRecord, frozen=True):
     """POST {cp}tokens: a delegated token for one scope at one holder (``audience``, the
     holder's base URL); ``ttl_ms`` absent asks for the longest life the control plane grants."""
 
     NAME: ClassVar[str] = "token request"
 
-    scope_id: str
-    audience: str
-    ttl_ms: int | None = None
+    scope_id: Hex16
+    audience: BaseUrl
+    ttl_ms: PositiveInt | None = None
 
+    @_rules
     def __post_init__(self) -> None:
         _check_hex(self.scope_id, ("scope_id",), 16)
         _check_base_url(self.audience, ("audience",))
         if self.ttl_ms is not None:
             _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            scope_id=_required(obj, "scope_id"),
-            audience=_required(obj, "audience"),
-            ttl_ms=_optional(obj, "ttl_ms"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"scope_id": self.scope_id, "audience": self.audience}
-        if self.ttl_ms is not None:
-            out["ttl_ms"] = self.ttl_ms
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class TokenGrant(Record):
+class TokenGrant(WireRecord, frozen=True):
     """The answer to a token request: the token, its expiry (RFC 3339, UTC, by the control
     plane's clock, for display) and ``ttl_ms``, the life granted, by which a client times it."""
 
     NAME: ClassVar[str] = "token grant"
 
-    token: str
-    expires_at: str
-    ttl_ms: int
+    token: BearerToken
+    expires_at: Annotated[str, _rule("must be a string", {"maxLength": 64})]
+    ttl_ms: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token(self.token, ("token",))
         _check_text(self.expires_at, ("expires_at",), 64)
         _check_int(self.ttl_ms, ("ttl_ms",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            token=_required(obj, "token"),
-            expires_at=_required(obj, "expires_at"),
-            ttl_ms=_required(obj, "ttl_ms"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"token": self.token, "expires_at": self.expires_at, "ttl_ms": self.ttl_ms}
-
-
-@dataclass(frozen=True, slots=True)
-class TokenIntrospectionRequest(Record):
+class TokenIntrospectionRequest(WireRecord, frozen=True):
     """POST {cp}tokens/introspect (RFC 7662 in shape): the token a holder was presented."""
 
     NAME: ClassVar[str] = "introspection request"
 
-    token: str
+    token: BearerToken
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token(self.token, ("token",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(token=_required(obj, "token"))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"token": self.token}
-
-
-@dataclass(frozen=True, slots=True)
-class TokenIntrospection(Record):
+class TokenIntrospection(WireRecord, frozen=True):
     """What the control plane says of a token: ``{"active": false}`` for anything that is not a
     valid delegated token for the asker; else its scope, its audience and ``exp`` (seconds
     since the Unix epoch, RFC 7519 NumericDate), until which the answer may be cached."""
 
     NAME: ClassVar[str] = "introspection"
 
-    active: bool
-    scope_id: str | None = None
-    audience: str | None = None
-    exp: int | None = None
+    active: Annotated[bool, _rule("must be true or false")]
+    scope_id: Hex16 | None = None
+    audience: BaseUrl | None = None
+    exp: Count | None = None
 
+    @_rules
     def __post_init__(self) -> None:
         _check_bool(self.active, ("active",))
         if self.active:
@@ -1791,55 +1874,30 @@ class TokenIntrospection(Record):
             _check_base_url(self.audience, ("audience",))
             _check_int(self.exp, ("exp",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            active=_required(obj, "active"),
-            scope_id=_optional(obj, "scope_id"),
-            audience=_optional(obj, "audience"),
-            exp=_optional(obj, "exp"),
-        )
-
     def to_json(self) -> dict[str, Any]:
-        if not self.active:
-            return {"active": False}
-        return {
-            "active": True,
-            "scope_id": self.scope_id,
-            "audience": self.audience,
-            "exp": self.exp,
-        }
+        # An inactive token is told nothing more, whatever the record was built with.
+        return super().to_json() if self.active else {"active": False}
 
 
 # --- Shard Map and reshard messages (6.9, DESIGN.md section 3) --------------------------------
 
 TokenRange = tuple[int, int]  # half-open [start, end)
+TokenRangeMember = Annotated[tuple[Count, Count], _rule("must be [start, end]")]
 
 
-@dataclass(frozen=True, slots=True)
-class Shard(Record):
+class Shard(WireRecord, frozen=True):
     NAME: ClassVar[str] = "shard"
 
-    tokens: TokenRange
-    instance: str
+    tokens: TokenRangeMember
+    instance: BaseUrl
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token_range(self.tokens, ("tokens",))
         _check_base_url(self.instance, ("instance",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            tokens=_pair(_required(obj, "tokens")),
-            instance=_required(obj, "instance"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": list(self.tokens), "instance": self.instance}
-
-
-@dataclass(frozen=True, slots=True)
-class ShardMap(Record):
+class ShardMap(WireRecord, frozen=True):
     """A Shard Map (6.9): which instance holds which token range of one context.
 
     The shards are contiguous in list order (each starts where the one before ends), hence
@@ -1850,10 +1908,11 @@ class ShardMap(Record):
 
     NAME: ClassVar[str] = "Shard Map"
 
-    map: str
-    version: int
-    shards: tuple[Shard, ...]
+    map: Segment
+    version: Count
+    shards: Annotated[tuple[Shard, ...], _rule("must be an array of shards", {"minItems": 1})]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.version, ("version",))
@@ -1891,54 +1950,25 @@ class ShardMap(Record):
         return out
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            map=_required(obj, "map"),
-            version=_required(obj, "version"),
-            shards=_nested_list(
-                Shard, _required(obj, "shards"), ("shards",), limits.max_shards, limits
-            ),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "map": self.map,
-            "version": self.version,
-            "shards": [shard.to_json() for shard in self.shards],
-        }
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"shards": limits.max_shards}
 
 
-@dataclass(frozen=True, slots=True)
-class FetchRange(Record):
+class FetchRange(WireRecord, frozen=True):
     """A range a member gains, and the member that holds it in the current version."""
 
     NAME: ClassVar[str] = "fetch range"
 
-    tokens: TokenRange
-    source: str  # "from" in JSON
+    tokens: TokenRangeMember
+    source: BaseUrl = msgspec.field(name="from")
 
+    @_rules
     def __post_init__(self) -> None:
         _check_token_range(self.tokens, ("tokens",))
         _check_base_url(self.source, ("from",))
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            tokens=_pair(_required(obj, "tokens")),
-            source=_required(obj, "from"),
-        )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": list(self.tokens), "from": self.source}
-
-
-def _token_ranges(value: object, path: Path, limits: Limits) -> tuple:
-    items = _array(value, path, limits.max_ranges)
-    return tuple(_pair(item) for item in items)
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardPlan(Record):
+class ReshardPlan(WireRecord, frozen=True, kw_only=True):
     """POST {ii-base}reshard with a plan (6.9): move map ``map`` from version ``from`` to ``to``.
 
     ``to`` is ``from + 1``. No token is in two of retain, fetch and release, nor twice in one
@@ -1950,15 +1980,16 @@ class ReshardPlan(Record):
 
     NAME: ClassVar[str] = "reshard plan"
 
-    map: str
-    from_version: int  # "from" in JSON
-    to_version: int  # "to" in JSON
-    deadline_ms: int
-    retain: tuple[TokenRange, ...]
-    fetch: tuple[FetchRange, ...]
-    release: tuple[TokenRange, ...]
-    instance: str | None = None
+    map: Segment
+    instance: BaseUrl | None = None
+    from_version: Count = msgspec.field(name="from")
+    to_version: PositiveInt = msgspec.field(name="to")
+    deadline_ms: PositiveInt
+    retain: Annotated[tuple[TokenRangeMember, ...], _rule("must be an array of token ranges")]
+    fetch: Annotated[tuple[FetchRange, ...], _rule("must be an array of fetch ranges")]
+    release: Annotated[tuple[TokenRangeMember, ...], _rule("must be an array of token ranges")]
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.from_version, ("from",))
@@ -1990,77 +2021,40 @@ class ReshardPlan(Record):
             _fail(overlap[0], "overlaps {related}", overlap[1])
 
     @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(
-            map=_required(obj, "map"),
-            from_version=_required(obj, "from"),
-            to_version=_required(obj, "to"),
-            deadline_ms=_required(obj, "deadline_ms"),
-            retain=_token_ranges(_required(obj, "retain"), ("retain",), limits),
-            fetch=_nested_list(
-                FetchRange, _required(obj, "fetch"), ("fetch",), limits.max_ranges, limits
-            ),
-            release=_token_ranges(_required(obj, "release"), ("release",), limits),
-            instance=_optional(obj, "instance"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"map": self.map}
-        if self.instance is not None:
-            out["instance"] = self.instance
-        out.update(
-            {
-                "from": self.from_version,
-                "to": self.to_version,
-                "deadline_ms": self.deadline_ms,
-                "retain": [list(r) for r in self.retain],
-                "fetch": [fetch.to_json() for fetch in self.fetch],
-                "release": [list(r) for r in self.release],
-            }
-        )
-        return out
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {
+            "retain": limits.max_ranges,
+            "fetch": limits.max_ranges,
+            "release": limits.max_ranges,
+        }
 
 
-@dataclass(frozen=True, slots=True)
-class ReshardCommit(Record):
+class ReshardCommit(WireRecord, frozen=True):
     """POST reshard {"map", "commit": v+1} (6.9): version v+1 becomes authoritative."""
 
     NAME: ClassVar[str] = "reshard commit"
 
-    map: str
-    commit: int
+    map: Segment
+    commit: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.commit, ("commit",), 1)
 
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(map=_required(obj, "map"), commit=_required(obj, "commit"))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"map": self.map, "commit": self.commit}
-
-
-@dataclass(frozen=True, slots=True)
-class ReshardAbort(Record):
+class ReshardAbort(WireRecord, frozen=True):
     """POST reshard {"map", "abort": v+1} (6.9): members discard what they fetched for v+1."""
 
     NAME: ClassVar[str] = "reshard abort"
 
-    map: str
-    abort: int
+    map: Segment
+    abort: PositiveInt
 
+    @_rules
     def __post_init__(self) -> None:
         _check_segment(self.map, ("map",))
         _check_int(self.abort, ("abort",), 1)
-
-    @classmethod
-    def _from_members(cls, obj: dict, limits: Limits) -> Self:
-        return cls(map=_required(obj, "map"), abort=_required(obj, "abort"))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"map": self.map, "abort": self.abort}
 
 
 def parse_reshard_body(

@@ -1,7 +1,9 @@
 """The OpenAPI description of both roles' API: request and response schemas in one table.
 
 The views validate with the protocol core (``kvsp.records``), not with serializers, so
-drf-spectacular cannot infer bodies; this module states them. ``describe`` is a
+drf-spectacular cannot infer bodies. The schemas of the records that are msgspec structs are
+generated from their types (``RECORD_TYPES``), so the description and the decoder share one
+definition; this module states the others (answers, envelopes). ``describe`` is a
 drf-spectacular postprocessing hook that puts each operation's request body, header and query
 parameters, responses and links in place from ``OPERATIONS``, ``PARAMETERS`` and ``LINKS``,
 declares the bearer scheme, and gives every error response the problem-details schema. Each
@@ -13,9 +15,37 @@ as overlapping ranges or a reshard plan whose ``to`` is not ``from + 1``).
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
-from kvsp.records import MAX_REQUEST_REF_LENGTH
+from kvsp import compat
+from kvsp.records import (
+    MAX_URL_LENGTH,
+    BlockBatchRequest,
+    DirectiveState,
+    GenerateRequest,
+    InstanceStatusRecord,
+    LeaseGrant,
+    LeaseRenewal,
+    LeaseRequest,
+    LookupRequest,
+    PlacementRequest,
+    PrefetchDirective,
+    ReplicaRecord,
+    ReshardAbort,
+    ReshardCommit,
+    ReshardPlan,
+    ResumeRequest,
+    SessionCheckpoint,
+    ShardMap,
+    TokenGrant,
+    TokenIntrospection,
+    TokenIntrospectionRequest,
+    TokenRequest,
+)
+from kvsp.registries import ELEMENT_TYPES, LAYOUTS
 from kvsp.sharding import MAX_DEADLINE_MS
 
 JSON_TYPES = ("application/kvsp+json", "application/json")
@@ -38,15 +68,119 @@ def _hex(octets: int) -> dict:
     return {"type": "string", "pattern": f"^[0-9a-f]{{{2 * octets}}}$"}
 
 
-_URL = {"type": "string", "pattern": "^https?://[^/]+/.*/$", "maxLength": 2000}
+_URL = {"type": "string", "pattern": "^https?://[^/]+/.*/$", "maxLength": MAX_URL_LENGTH}
 _INT = {"type": "integer", "minimum": 0, "maximum": 9007199254740991}
 _POSITIVE = {"type": "integer", "minimum": 1, "maximum": 9007199254740991}
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": 4294967295}
 _RANGE = {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}
 _RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS}
 _ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
-# OpenAPI 3.0 spells an exclusive bound as a flag on the bound.
-_POSITIVE_NUMBER = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+
+
+# The records whose schemas are generated from their types; the structs they nest come along.
+RECORD_TYPES = (
+    ReplicaRecord,
+    LookupRequest,
+    InstanceStatusRecord,
+    PlacementRequest,
+    BlockBatchRequest,
+    LeaseRequest,
+    LeaseRenewal,
+    LeaseGrant,
+    PrefetchDirective,
+    DirectiveState,
+    SessionCheckpoint,
+    GenerateRequest,
+    ResumeRequest,
+    TokenRequest,
+    TokenGrant,
+    TokenIntrospectionRequest,
+    TokenIntrospection,
+    ShardMap,
+    ReshardPlan,
+    ReshardCommit,
+    ReshardAbort,
+)
+
+
+def record_schemas(types: tuple[type, ...]) -> dict[str, dict]:
+    """The component schemas of ``types`` (msgspec structs) and of the structs they nest."""
+    _, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    return {name: _openapi_30(schema) for name, schema in components.items()}
+
+
+def _openapi_30(schema: Any) -> Any:
+    """A JSON Schema as msgspec writes it (draft 2020-12) in the dialect of OpenAPI 3.0, which
+    drf-spectacular describes: a null alternative becomes ``nullable`` (an optional member that
+    is null counts as absent), an integer-or-number alternative a number, a numeric exclusive
+    bound the 3.0 flag beside its bound, and a fixed-length tuple an array of its item type."""
+    if isinstance(schema, list):
+        return [_openapi_30(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "properties":
+            out[key] = {name: _openapi_30(member) for name, member in value.items()}
+        elif key == "title" or (key == "default" and value is None):
+            continue
+        else:
+            out[key] = _openapi_30(value)
+    choices = out.pop("anyOf", None)
+    if choices is not None:
+        out = _without_null_choice(choices, out)
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        value = out.get(exclusive)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[bound], out[exclusive] = value, True
+    prefix = out.pop("prefixItems", None)
+    if prefix is not None:
+        same = all(item == prefix[0] for item in prefix)
+        out["items"] = prefix[0] if same else {"anyOf": prefix}
+    return out
+
+
+def _without_null_choice(choices: list[dict], schema: dict) -> dict:
+    nullable = {"type": "null"} in choices
+    choices = [choice for choice in choices if choice != {"type": "null"}]
+    if {choice.get("type") for choice in choices} == {"integer", "number"}:
+        choices = [choice for choice in choices if choice["type"] == "number"]
+    if len(choices) != 1:
+        schema["anyOf"] = choices
+    elif "$ref" in choices[0]:
+        schema["allOf"] = choices  # OpenAPI 3.0 ignores what stands beside a $ref
+    else:
+        schema = {**choices[0], **schema}
+    return _nullable(schema) if nullable else schema
+
+
+def _descriptor_schema() -> dict:
+    """The Compatibility Descriptor (4.1) from the tables ``kvsp.compat`` validates it with: a
+    closed object (its members are what the Compatibility ID hashes), null never absent."""
+    digest = {"type": "string", "pattern": f"^{compat.DIGEST_PREFIX}[0-9a-f]{{64}}$"}
+    counts = {
+        name: {"type": "integer", "minimum": 1, "maximum": most}
+        for name, most in compat.INTEGER_MAXIMA.items()
+    }
+    properties = {
+        "model": {"type": "string", "minLength": 1},
+        "model_digest": digest,
+        "tokenizer_digest": digest,
+        "adapters": {"type": "array", "minItems": 1, "items": digest},
+        **counts,
+        "kv_dtype": {"type": "string", "enum": list(ELEMENT_TYPES)},
+        "positional": {"type": "string"},
+        "layout": {"type": "string", "enum": list(LAYOUTS)},
+    }
+    members = (*compat.REQUIRED_MEMBERS, *compat.OPTIONAL_MEMBERS)
+    return {
+        "type": "object",
+        "properties": {name: properties[name] for name in members},
+        "required": list(compat.REQUIRED_MEMBERS),
+        "additionalProperties": False,
+    }
 
 
 def _nullable(schema: dict) -> dict:
@@ -81,77 +215,7 @@ _PROBLEM = _object(
 
 SCHEMAS = {
     "Problem": _PROBLEM,
-    "CompatibilityDescriptor": _object(
-        {
-            "model": {"type": "string", "minLength": 1},
-            "model_digest": {"type": "string", "pattern": "^sha-256:[0-9a-f]{64}$"},
-            "tokenizer_digest": {"type": "string", "pattern": "^sha-256:[0-9a-f]{64}$"},
-            "adapters": {
-                "type": "array",
-                "minItems": 1,
-                "items": {"type": "string", "pattern": "^sha-256:[0-9a-f]{64}$"},
-            },
-            "layers": _POSITIVE,
-            "kv_heads": _POSITIVE,
-            "head_dim": _POSITIVE,
-            "kv_dtype": {
-                "type": "string",
-                "enum": ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"],
-            },
-            "positional": {"type": "string"},
-            "block_tokens": _POSITIVE,
-            "layout": {"type": "string", "enum": ["kvsp-layout-1"]},
-        },
-        [
-            "model",
-            "model_digest",
-            "tokenizer_digest",
-            "layers",
-            "kv_heads",
-            "head_dim",
-            "kv_dtype",
-            "positional",
-            "block_tokens",
-            "layout",
-        ],
-    ),
-    "ReplicaRecord": _object(
-        {
-            "block_key": _hex(32),
-            "compat_id": _hex(32),
-            "scope_id": _hex(16),
-            "holder": {"type": "string", "maxLength": 2000},
-            "codec": {"type": "integer", "minimum": 1, "maximum": 65535},
-            "size": _INT,
-            "digest": {"type": "string", "pattern": "^sha-256:[0-9a-f]{64}$"},
-            "layer_digests": {"type": "array", "items": _hex(32)},
-            "residency": {
-                "type": "array",
-                "minItems": 1,
-                "items": _object(
-                    {
-                        "tier": {"type": "string"},
-                        "layers": _RANGE,
-                        "read_mbit_per_s": _POSITIVE_NUMBER,
-                    },
-                    ["tier", "layers"],
-                ),
-            },
-            "ttl_ms": _POSITIVE,
-            "moqt_namespace": {"type": "string"},
-        },
-        [
-            "block_key",
-            "compat_id",
-            "scope_id",
-            "holder",
-            "codec",
-            "size",
-            "digest",
-            "residency",
-            "ttl_ms",
-        ],
-    ),
+    "CompatibilityDescriptor": _descriptor_schema(),
     "Replicas": _object(
         {"block_key": _hex(32), "replicas": {"type": "array", "items": _ref("ReplicaRecord")}},
         ["block_key", "replicas"],
@@ -190,15 +254,6 @@ SCHEMAS = {
         },
         ["results"],
     ),
-    "LookupRequest": _object(
-        {
-            "scope_id": _hex(16),
-            "compat_id": _hex(32),
-            "block_keys": {"type": "array", "items": _hex(32)},
-            "targets": {"type": "array", "items": _URL},
-        },
-        ["scope_id", "compat_id", "block_keys"],
-    ),
     "LookupAnswer": _object(
         {
             "matched": _INT,
@@ -227,81 +282,6 @@ SCHEMAS = {
         {"scope_id": _hex(16), "name": {"type": "string"}, "scope_key": {"type": "string"}},
         ["scope_id", "name", "scope_key"],
     ),
-    # Delegated tokens (DESIGN.md section 6). The audience is a holder's base URL; the core
-    # holds it to the base URL rules (kvsp.records), which a pattern states only in part.
-    "TokenRequest": _object(
-        {
-            "scope_id": _hex(16),
-            "audience": {"type": "string", "pattern": "^https?://", "maxLength": 2048},
-            "ttl_ms": _POSITIVE,
-        },
-        ["scope_id", "audience"],
-    ),
-    "TokenGrant": _object(
-        {"token": {"type": "string"}, "expires_at": {"type": "string"}, "ttl_ms": _POSITIVE},
-        ["token", "expires_at", "ttl_ms"],
-    ),
-    "TokenIntrospectionRequest": _object(
-        {"token": {"type": "string", "minLength": 1, "maxLength": 4096}}, ["token"]
-    ),
-    "TokenIntrospection": _object(
-        {
-            "active": {"type": "boolean"},
-            "scope_id": _hex(16),
-            "audience": {"type": "string"},
-            "exp": _INT,
-        },
-        ["active"],
-    ),
-    "InstanceStatusRecord": _object(
-        {
-            "instance": _URL,
-            "epoch": _INT,
-            "state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]},
-            "running": _INT,
-            "queued": _INT,
-            "batch_size": _INT,
-            "kv_utilization": {"type": "number", "minimum": 0, "maximum": 1},
-            "prefill_tokens_per_s": _POSITIVE_NUMBER,
-            "decode_tokens_per_s": _POSITIVE_NUMBER,
-            "links": {
-                "type": "array",
-                "items": _object(
-                    {
-                        "holder": {"type": "string"},
-                        "mbit_per_s": _POSITIVE_NUMBER,
-                        "rtt_us": {"type": "number", "minimum": 0},
-                    },
-                    ["holder", "mbit_per_s", "rtt_us"],
-                ),
-            },
-            "requested_state": {"type": "string", "enum": ["sleeping"], "nullable": True},
-            "ttl_ms": _POSITIVE,
-            "compat_ids": {
-                "type": "array",
-                "items": _hex(32),
-                "description": "the compat ids it serves; absent or empty: any",
-            },
-            "engine": {
-                "type": "boolean",
-                "description": "false for a node without an engine (a storage-only holder): "
-                "never a placement or resume candidate; absent: it runs one",
-            },
-        },
-        [
-            "instance",
-            "epoch",
-            "state",
-            "running",
-            "queued",
-            "batch_size",
-            "kv_utilization",
-            "prefill_tokens_per_s",
-            "decode_tokens_per_s",
-            "links",
-            "ttl_ms",
-        ],
-    ),
     "StateAnswer": _object(
         {"state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]}},
         ["state"],
@@ -320,15 +300,6 @@ SCHEMAS = {
     ),
     "Instances": _object(
         {"instances": {"type": "array", "items": _ref("Instance")}}, ["instances"]
-    ),
-    "PlacementRequest": _object(
-        {
-            "scope_id": _hex(16),
-            "compat_id": _hex(32),
-            "tokens": {"type": "array", "items": _TOKEN},
-            "request_ref": {"type": "string", "maxLength": MAX_REQUEST_REF_LENGTH},
-        },
-        ["scope_id", "compat_id", "tokens"],
     ),
     "PlacementAnswer": _object(
         {
@@ -356,39 +327,6 @@ SCHEMAS = {
             "timings_us": {"type": "object"},
         },
         ["instance", "name", "matched", "directive", "candidates"],
-    ),
-    "SessionCheckpoint": _object(
-        {
-            "session": {"type": "string", "format": "uuid"},
-            "epoch": _POSITIVE,
-            "compat_id": _hex(32),
-            "scope_id": _hex(16),
-            "prompt_blocks": {"type": "array", "items": _hex(32)},
-            "prompt_tail": {"type": "array", "items": _TOKEN},
-            "generated": {"type": "array", "items": _TOKEN},
-            "output_offset": _INT,
-            "sampler": _object(
-                {
-                    "method": {"type": "string"},
-                    "params": {"type": "object"},
-                    "seed": _INT,
-                    "step": _INT,
-                    "deterministic": {"type": "boolean"},
-                },
-                ["method", "params", "seed", "step", "deterministic"],
-            ),
-        },
-        [
-            "session",
-            "epoch",
-            "compat_id",
-            "scope_id",
-            "prompt_blocks",
-            "prompt_tail",
-            "generated",
-            "output_offset",
-            "sampler",
-        ],
     ),
     "CheckpointAnswer": _object(
         {
@@ -439,18 +377,6 @@ SCHEMAS = {
         },
         ["session", "epoch", "state"],
     ),
-    "ShardMap": _object(
-        {
-            "map": {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"},
-            "version": _INT,
-            "shards": {
-                "type": "array",
-                "minItems": 1,
-                "items": _object({"tokens": _RANGE, "instance": _URL}, ["tokens", "instance"]),
-            },
-        },
-        ["map", "version", "shards"],
-    ),
     "ReshardRequest": _object(
         {
             "shards": {
@@ -477,126 +403,19 @@ SCHEMAS = {
 }
 
 _SEGMENT = {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"}
-_HOLDER = {"type": "string", "pattern": "^(https?://[^/]+/.*/|moqt://[^/]+.*)$", "maxLength": 2000}
-_DIRECTIVE_STATES = ["pending", "partial", "complete", "failed"]
 _BINARY = {"type": "string", "format": "binary"}
 
-# The node's messages (DESIGN.md section 3, "Node"). Where a view reads an optional member
-# with a default instead of through ``kvsp.records`` (generate, resume), a null member is
-# refused, so those members are stated without ``nullable``.
+# The node's messages (DESIGN.md section 3, "Node") that are not records.
 SCHEMAS.update(
     {
         "BlockContainer": {
             **_BINARY,
             "description": "a KV Block Container (spec 4.3) holding every layer from layer 0",
         },
-        "BlockBatchRequest": _object(
-            {
-                "block_keys": {
-                    "type": "array",
-                    "items": _hex(32),
-                    "minItems": 1,
-                    "uniqueItems": True,
-                    "description": "at most KVSP_MAX_BATCH_BLOCKS (256 unless set): else 413",
-                },
-            },
-            ["block_keys"],
-        ),
         # One part per block asked for, in order: the container (Content-Type
         # application/kvsp-block, Content-Length, Repr-Digest) or the block's problem details;
         # each part names its block resource in Content-Location (docs/api.md "Blocks in batches").
         "BlockBatch": _BINARY,
-        "LeaseRequest": _object(
-            {
-                "compat_id": _hex(32),
-                "scope_id": _hex(16),
-                "block_keys": {
-                    "type": "array",
-                    "items": _hex(32),
-                    "minItems": 1,
-                    "maxItems": 131072,
-                    "uniqueItems": True,
-                },
-                "ttl_ms": _POSITIVE,
-            },
-            ["compat_id", "scope_id", "block_keys", "ttl_ms"],
-        ),
-        "LeaseRenewal": _object({"ttl_ms": _POSITIVE}, ["ttl_ms"]),
-        "LeaseGrant": _object(
-            {
-                "lease": _SEGMENT,
-                "compat_id": _hex(32),
-                "scope_id": _hex(16),
-                "block_keys": {"type": "array", "items": _hex(32), "minItems": 1},
-                "ttl_ms": _POSITIVE,
-                "expires_ms": _INT,
-            },
-            ["lease", "compat_id", "scope_id", "block_keys", "ttl_ms", "expires_ms"],
-        ),
-        "DirectiveBlock": _object(
-            {
-                "block_key": _hex(32),
-                "sources": {
-                    "type": "array",
-                    "items": _HOLDER,
-                    "minItems": 1,
-                    "maxItems": 64,
-                    "uniqueItems": True,
-                },
-            },
-            ["block_key", "sources"],
-        ),
-        "PrefetchDirective": _object(
-            {
-                "directive": {"type": "string", "format": "uuid"},
-                "request_ref": {"type": "string", "maxLength": 1024},
-                "scope_id": _hex(16),
-                "compat_id": _hex(32),
-                "blocks": {
-                    "type": "array",
-                    "items": _ref("DirectiveBlock"),
-                    "minItems": 1,
-                    "maxItems": 131072,
-                },
-                "layer_order": {"type": "string", "enum": ["ascending"]},
-                "deadline_ms": _POSITIVE,
-                "lease_ms": _POSITIVE,
-            },
-            ["directive", "scope_id", "compat_id", "blocks", "deadline_ms", "lease_ms"],
-        ),
-        "DirectiveState": _object(
-            {
-                "directive": {"type": "string", "format": "uuid"},
-                "state": {"type": "string", "enum": _DIRECTIVE_STATES},
-                "loaded": {"type": "array", "items": _hex(32)},
-                "reason": {"type": "string", "nullable": True},
-            },
-            ["directive", "state", "loaded", "reason"],
-        ),
-        "GenerateSampler": {
-            "type": "object",
-            "properties": {
-                "method": {
-                    "type": "string",
-                    "enum": ["greedy", "temperature", "top-k", "top-p", "min-p"],
-                },
-                "params": {"type": "object"},
-                "seed": {"type": "integer", "minimum": 0, "maximum": 18446744073709551615},
-            },
-            "required": ["method"],
-        },
-        "GenerateRequest": _object(
-            {
-                "session": {"type": "string", "format": "uuid"},
-                "scope_id": _hex(16),
-                "compat_id": _hex(32),
-                "prompt": {"type": "array", "items": _TOKEN, "minItems": 1, "maxItems": 2097152},
-                "max_tokens": _POSITIVE,
-                "sampler": _ref("GenerateSampler"),
-                "request_ref": {"type": "string", "minLength": 1, "maxLength": 1024},
-            },
-            ["session", "scope_id", "compat_id", "prompt", "max_tokens"],
-        ),
         "SessionAdmitted": _object(
             {
                 "session": {"type": "string", "format": "uuid"},
@@ -606,55 +425,6 @@ SCHEMAS.update(
                 "output_url": {"type": "string"},
             },
             ["session", "epoch", "state"],
-        ),
-        "ResumeRequest": {
-            "type": "object",
-            "properties": {
-                "session": {"type": "string", "format": "uuid"},
-                "epoch": _POSITIVE,
-                "checkpoint": _ref("SessionCheckpoint"),
-                "blocks": {"type": "array", "items": _ref("DirectiveBlock")},
-                "resident": {"type": "array", "items": _hex(32)},
-                "deadline_ms": _POSITIVE,
-                "lease_ms": _POSITIVE,
-            },
-            "required": ["session", "epoch", "checkpoint"],
-        },
-        # A plan from this implementation's PC carries the Block Keys its ranges cover
-        # (workers.resharding): scope_id, compat_id, block_tokens and blocks, an object from
-        # block indexes in decimal to Block Keys; it and its commit and abort carry the number
-        # of the PC's attempt at the move.
-        "ReshardPlan": _object(
-            {
-                "map": _SEGMENT,
-                "instance": _URL,
-                "from": _INT,
-                "to": _POSITIVE,
-                "deadline_ms": _RESHARD_DEADLINE,
-                "retain": {"type": "array", "items": _RANGE, "maxItems": 8192},
-                "fetch": {
-                    "type": "array",
-                    "maxItems": 8192,
-                    "items": _object({"tokens": _RANGE, "from": _URL}, ["tokens", "from"]),
-                },
-                "release": {"type": "array", "items": _RANGE, "maxItems": 8192},
-                "scope_id": _hex(16),
-                "compat_id": _hex(32),
-                "block_tokens": {"type": "integer", "minimum": 1, "maximum": 4294967295},
-                "blocks": {
-                    "type": "object",
-                    "additionalProperties": _hex(32),
-                    "maxProperties": 131072,
-                },
-                "attempt": _ATTEMPT,
-            },
-            ["map", "from", "to", "deadline_ms", "retain", "fetch", "release"],
-        ),
-        "ReshardCommit": _object(
-            {"map": _SEGMENT, "commit": _POSITIVE, "attempt": _ATTEMPT}, ["map", "commit"]
-        ),
-        "ReshardAbort": _object(
-            {"map": _SEGMENT, "abort": _POSITIVE, "attempt": _ATTEMPT}, ["map", "abort"]
         ),
         # A body with "commit" is a commit and one with "abort" an abort; any other a plan.
         "ReshardBody": {
@@ -677,6 +447,29 @@ SCHEMAS.update(
         ),
     }
 )
+
+SCHEMAS.update(record_schemas(RECORD_TYPES))
+
+# What this implementation's PC adds to the reshard messages it sends, and the node reads beyond
+# the records (workers.resharding): a plan carries the Block Keys its ranges cover (scope_id,
+# compat_id, block_tokens and blocks, an object from block indexes in decimal to Block Keys)
+# and a deadline the node bounds; a plan, its commit and its abort carry the number of the PC's
+# attempt at the move.
+_ATTEMPT_MEMBER = {"attempt": {**_ATTEMPT, "nullable": True}}
+SCHEMAS["ReshardPlan"]["properties"]["deadline_ms"]["maximum"] = MAX_DEADLINE_MS
+SCHEMAS["ReshardPlan"]["properties"].update(
+    {
+        "scope_id": _nullable(_hex(16)),
+        "compat_id": _nullable(_hex(32)),
+        "block_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": 4294967295}),
+        "blocks": _nullable(
+            {"type": "object", "additionalProperties": _hex(32), "maxProperties": 131072}
+        ),
+        **_ATTEMPT_MEMBER,
+    }
+)
+SCHEMAS["ReshardCommit"]["properties"].update(_ATTEMPT_MEMBER)
+SCHEMAS["ReshardAbort"]["properties"].update(_ATTEMPT_MEMBER)
 
 _BLOCK = "/kvsp/blocks/{compat_id}/{scope_id}/{block_key}"
 

@@ -59,7 +59,7 @@ from django.utils import timezone
 
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
-from kvsp.records import Sampler, SessionCheckpoint
+from kvsp.records import MAX_TOKENS_PARAM, GenerateRequest, Sampler, SessionCheckpoint
 from kvsp.states import ServedSessionEvent
 from kvsp.timeline import StepTimer
 from kvspsite.peers import PeerUnreachable
@@ -446,7 +446,7 @@ class SessionRun:
     # -- the start of a generation and of a resume ----------------------------------------------
 
     def _begin_generation(self) -> None:
-        request = served.GenerateRequest.from_json(self.row.body)
+        request = GenerateRequest.from_json(self.row.body)
         engine, block_tokens = self.engine, self.engine.block_tokens
         scope_key = control.scope_key(self.scope_id)
         prompt = list(request.prompt)
@@ -487,12 +487,12 @@ class SessionRun:
             count=len(keys),
         )
         self.chain.extend(prompt[len(keys) * block_tokens :])
-        self.sampler = _token_sampler(request.sampler)
+        self.sampler = _token_sampler(request.sampler.record())
         self.max_tokens = request.max_tokens
         self.timer.lap("prompt")
 
     def _begin_resume(self) -> None:
-        request = served.ResumeRequest.from_json(self.session, self.row.body)
+        request = served.resume_request(self.session, self.row.body)
         checkpoint = request.checkpoint
         block_tokens = self.engine.block_tokens
         scope_key = control.scope_key(self.scope_id)
@@ -693,7 +693,7 @@ class SessionRun:
     def _sampler_record(self) -> Sampler:
         record = self.sampler.to_record()
         params = dict(record.params.to_json())
-        params[served.MAX_TOKENS] = self.max_tokens
+        params[MAX_TOKENS_PARAM] = self.max_tokens
         return Sampler(
             method=record.method,
             params=params,

@@ -15,35 +15,28 @@ loaded the model, so the HTTP process never loads one. An accepted request is a 
 task on the instance's queue after (``workers.generation`` serves it); the same request sent
 again is the same row.
 
-The session's length. A Session Checkpoint (4.4) has no member for the number of output tokens
-the session was asked for, yet the instance that resumes it must stop where the first one would
-have. This implementation carries it in the checkpoint's ``sampler.params`` as ``max_tokens``:
-params reach the resuming instance unchanged, and a sampler ignores the member (it changes no
-draw).
+The session's length travels in the checkpoint's ``sampler.params`` as ``max_tokens``
+(``kvsp.records.MAX_TOKENS_PARAM`` says why).
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from index.authz import may_read_scope
-from kvsp.hexids import is_hex, parse_uuid
+from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import (
-    DEFAULT_LIMITS,
-    SAMPLER_METHODS,
-    DirectiveBlock,
-    InvalidRecord,
+    MAX_TOKENS_PARAM,
+    GenerateRequest,
     PrefetchDirective,
+    ResumeRequest,
     Sampler,
-    SessionCheckpoint,
 )
 from kvsp.states import SERVED_SESSION_STATES, ServedSessionEvent
 from kvspsite.celery import instance_queue
@@ -56,10 +49,6 @@ from workers.models import (
     SessionKind,
 )
 
-# The member of sampler.params that carries the session's length (see the module docstring).
-MAX_TOKENS = "max_tokens"
-GREEDY = "greedy"
-UINT32_LIMIT = 2**32
 # Names the prefetch directive a resume loads its blocks with: uuid5 of "session/epoch".
 RESUME_DIRECTIVE_NAMESPACE = uuid.UUID("5b0c7d1e-9a43-4f8e-8c21-6d4a2f0e7b93")
 
@@ -78,193 +67,22 @@ def _object(value: object, what: str) -> dict:
     return value
 
 
-def _positive_int(value: object, what: str) -> int:
-    if type(value) is not int or value < 1:
-        raise _invalid(f"{what}: a positive integer")
-    return value
-
-
-def _tokens(value: object, what: str, *, non_empty: bool) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise _invalid(f"{what}: an array of token ids")
-    if non_empty and not value:
-        raise _invalid(f"{what}: at least one token")
-    if len(value) > DEFAULT_LIMITS.max_tokens:
-        raise _invalid(f"{what}: at most {DEFAULT_LIMITS.max_tokens} tokens")
-    for position, token in enumerate(value):
-        if type(token) is not int or not 0 <= token < UINT32_LIMIT:
-            raise _invalid(f"{what}[{position}]: a token id (an unsigned 32-bit integer)")
-    return tuple(value)
-
-
-def session_sampler(
-    method: object, params: object, seed: object, step: int, *, what: str = "sampler"
-) -> Sampler:
-    """The sampler member of a session's checkpoints (4.4), checked as the engine's samplers
-    check it: a registered method, its parameters, and no parameter the engine does not
-    implement (``max_tokens`` aside), since ignoring one would resume a different sampler."""
-    if not isinstance(params, dict):
-        raise _invalid(f"{what}.params: a JSON object")
-    try:
-        record = Sampler(
-            method=method,
-            params=params,
-            seed=seed,
-            step=step,
-            deterministic=method == GREEDY,
-        )
-    except InvalidRecord as error:
-        raise error.within(what) from None
-    required, optional = SAMPLER_METHODS[record.method]
-    unknown = sorted(set(record.params) - set(required) - set(optional) - {MAX_TOKENS})
-    if unknown:
-        raise _invalid(
-            f"{what}.params: method {record.method!r} here takes no {', '.join(unknown)}"
-        )
-    if MAX_TOKENS in record.params:
-        _positive_int(record.params[MAX_TOKENS], f"{what}.params.{MAX_TOKENS}")
-    return record
-
-
 def split_max_tokens(sampler: Sampler) -> tuple[dict, int | None]:
     """The sampler's own params, and the session length carried beside them."""
     params = sampler.params.to_json()
-    return params, params.pop(MAX_TOKENS, None)
+    return params, params.pop(MAX_TOKENS_PARAM, None)
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
-    """``POST II generate``: ``{"session", "scope_id", "compat_id", "prompt", "max_tokens",
-    "sampler": {"method", "params", "seed"}, "request_ref"}``; ``request_ref`` (optional) is
-    that of the placement whose prefetch directive loads the prompt's blocks (6.5)."""
-
-    session: str
-    scope_id: str
-    compat_id: str
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sampler: Sampler
-    request_ref: str | None
-
-    @classmethod
-    def from_json(cls, body: object) -> GenerateRequest:
-        body = _object(body, "the body")
-        session = str(parse_uuid(body.get("session"), "session", problem="kvsp-malformed-request"))
-        scope_id, compat_id = body.get("scope_id"), body.get("compat_id")
-        if not is_hex(scope_id, 16):
-            raise _invalid("scope_id: a hex16 Scope ID")
-        if not is_hex(compat_id, 32):
-            raise _invalid("compat_id: a hex32 Compatibility ID")
-        prompt = _tokens(body.get("prompt"), "prompt", non_empty=True)
-        max_tokens = _positive_int(body.get("max_tokens"), "max_tokens")
-        sampler = _object(body.get("sampler", {"method": GREEDY}), "sampler")
-        params = sampler.get("params", {})
-        if isinstance(params, dict) and MAX_TOKENS in params:
-            raise _invalid(f"sampler.params: give {MAX_TOKENS} beside the sampler, not in it")
-        record = session_sampler(sampler.get("method"), params, sampler.get("seed", 0), 0)
-        request_ref = body.get("request_ref")
-        if request_ref is not None and (
-            not isinstance(request_ref, str) or not 0 < len(request_ref) <= 1024
-        ):
-            raise _invalid("request_ref: a string of 1 to 1024 characters")
-        return cls(session, scope_id, compat_id, prompt, max_tokens, record, request_ref)
-
-    def to_json(self) -> dict[str, Any]:
-        sampler = self.sampler.to_json()
-        body = {
-            "session": self.session,
-            "scope_id": self.scope_id,
-            "compat_id": self.compat_id,
-            "prompt": list(self.prompt),
-            "max_tokens": self.max_tokens,
-            "sampler": {key: sampler[key] for key in ("method", "params", "seed")},
-        }
-        if self.request_ref is not None:
-            body["request_ref"] = self.request_ref
-        return body
-
-
-@dataclass(frozen=True)
-class ResumeRequest:
-    """``POST II sessions/{session}/resume`` (6.8), as the PC sends it: ``{"session", "epoch",
-    "checkpoint", "blocks": [{"block_key", "sources"}], "resident", "deadline_ms",
-    "lease_ms"}``."""
-
-    session: str
-    epoch: int
-    checkpoint: SessionCheckpoint
-    blocks: tuple[DirectiveBlock, ...]
-    resident: tuple[str, ...]
-    deadline_ms: int
-    lease_ms: int
-
-    @classmethod
-    def from_json(cls, session_id: str, body: object) -> ResumeRequest:
-        body = _object(body, "the body")
-        session = str(parse_uuid(session_id, "session", problem="kvsp-malformed-request"))
-        if str(body.get("session", "")).lower() != session:
-            raise _malformed("session in the body differs from the path")
-        epoch = _positive_int(body.get("epoch"), "epoch")
-        try:
-            checkpoint = SessionCheckpoint.from_json(body.get("checkpoint"))
-        except InvalidRecord as error:
-            raise error.within("checkpoint") from None
-        if checkpoint.session != session:
-            raise _invalid("checkpoint.session: not the session resumed")
-        if checkpoint.epoch >= epoch:
-            raise _invalid(
-                f"epoch {epoch} must be above the checkpoint's epoch {checkpoint.epoch}: a "
-                "resumed session runs under a new epoch (6.8)"
-            )
-        sampler = checkpoint.sampler
-        session_sampler(
-            sampler.method,
-            sampler.params.to_json(),
-            sampler.seed,
-            sampler.step,
-            what="checkpoint.sampler",
-        )
-        if not checkpoint.prompt_tail and not checkpoint.output_offset:
-            raise _invalid(
-                "checkpoint: no token after the prompt blocks, so there is nothing to compute "
-                "the first output token from"
-            )
-        blocks_json = body.get("blocks", [])
-        if not isinstance(blocks_json, list):
-            raise _invalid("blocks: an array of {block_key, sources}")
-        blocks = []
-        for index, block in enumerate(blocks_json):
-            try:
-                blocks.append(DirectiveBlock.from_json(block))
-            except InvalidRecord as error:
-                raise error.within("blocks", index) from None
-        resident = body.get("resident", [])
-        if not isinstance(resident, list) or not all(is_hex(key, 32) for key in resident):
-            raise _invalid("resident: an array of hex32 Block Keys")
-        return cls(
-            session=session,
-            epoch=epoch,
-            checkpoint=checkpoint,
-            blocks=tuple(blocks),
-            resident=tuple(key.lower() for key in resident),
-            deadline_ms=_positive_int(
-                body.get("deadline_ms", settings.KVSP_PREFETCH_DEADLINE_MS), "deadline_ms"
-            ),
-            lease_ms=_positive_int(
-                body.get("lease_ms", settings.KVSP_PREFETCH_LEASE_MS), "lease_ms"
-            ),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "session": self.session,
-            "epoch": self.epoch,
-            "checkpoint": self.checkpoint.to_json(),
-            "blocks": [block.to_json() for block in self.blocks],
-            "resident": list(self.resident),
-            "deadline_ms": self.deadline_ms,
-            "lease_ms": self.lease_ms,
-        }
+def resume_request(session_id: str, body: object) -> ResumeRequest:
+    """The body of ``POST II sessions/{session}/resume`` (6.8) for the session of the path,
+    with this node's prefetch deadline and lease where the PC left them out."""
+    body = _object(body, "the body")
+    session = str(parse_uuid(session_id, "session", problem="kvsp-malformed-request"))
+    if str(body.get("session", "")).lower() != session:
+        raise _malformed("session in the body differs from the path")
+    return ResumeRequest.from_json(body).with_prefetch_bounds(
+        settings.KVSP_PREFETCH_DEADLINE_MS, settings.KVSP_PREFETCH_LEASE_MS
+    )
 
 
 # --- Admission ------------------------------------------------------------------------------
@@ -375,7 +193,7 @@ def _sourceless_prompt_block(request: ResumeRequest, name: str) -> str | None:
 def do_accept_resume(session_id: str, body: object) -> ServedSession:
     """``POST II sessions/{session}/resume`` (6.8), the PC's: admit the session under its new
     epoch; the blocks to load become a prefetch directive the session's task carries out."""
-    request = ResumeRequest.from_json(session_id, body)
+    request = resume_request(session_id, body)
     checkpoint = request.checkpoint
     name = selectors.node_name()
     body = request.to_json()

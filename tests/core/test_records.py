@@ -23,6 +23,7 @@ from kvsp.records import (
     DirectiveBlock,
     DirectiveState,
     FetchRange,
+    GenerateRequest,
     InstanceStatusRecord,
     InvalidRecord,
     JsonObject,
@@ -39,6 +40,7 @@ from kvsp.records import (
     ReshardCommit,
     ReshardPlan,
     ResidencyEntry,
+    ResumeRequest,
     Sampler,
     SessionCheckpoint,
     Shard,
@@ -877,6 +879,129 @@ def test_placement_request():
     rejects(PlacementRequest, dict(placement_doc(), tokens=[2**32]), "tokens[0]: must be")
     rejects(PlacementRequest, dict(placement_doc(), request_ref=[]), "request_ref: must be a str")
     rejects(PlacementRequest, placement_doc(), "tokens: has 3 entries", Limits(max_tokens=2))
+
+
+# --- Generate request (DESIGN.md section 3) ----------------------------------------------------
+
+
+def generate_doc() -> dict:
+    return {
+        "session": SESSION,
+        "scope_id": SCOPE,
+        "compat_id": COMPAT,
+        "prompt": [1, 2, 3],
+        "max_tokens": 8,
+        "sampler": {"method": "top-k", "params": {"k": 40}, "seed": 7},
+        "request_ref": "r-1",
+    }
+
+
+def test_generate_request_round_trips_and_defaults_its_sampler():
+    record = GenerateRequest.from_json(generate_doc())
+    assert record.to_json() == generate_doc()
+    assert record.sampler.record().params == JsonObject({"k": 40})
+    for absent in (DELETE, None):
+        doc = edited(edited(generate_doc(), ("sampler",), absent), ("request_ref",), absent)
+        record = GenerateRequest.from_json(doc)
+        assert record.request_ref is None
+        greedy = {"method": "greedy", "params": {}, "seed": 0}
+        stated = {name: value for name, value in doc.items() if value is not None}
+        assert record.to_json() == {**stated, "sampler": greedy}
+    upper = edited(generate_doc(), ("session",), SESSION.upper())
+    assert GenerateRequest.from_json(upper).session == SESSION
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "detail"),
+    [
+        (("prompt",), [], "prompt: must not be empty"),
+        (("prompt", 1), -2, "prompt[1]: must be an integer from 0"),
+        (("max_tokens",), 0, "max_tokens: must be an integer from 1"),
+        (("scope_id",), COMPAT, "scope_id: must be hex16"),
+        (("request_ref",), "", "request_ref: must be a string of 1 to 1024 characters"),
+        (("sampler", "method"), "beam", 'sampler.method: must be one of "greedy"'),
+        (
+            ("sampler", "params"),
+            {"k": 40, "n": 1},
+            "sampler.params: method 'top-k' here takes no n",
+        ),
+        (("sampler", "params", "k"), 0, "sampler.params.k: must be an integer from 1"),
+        (("sampler", "params", "max_tokens"), 4, "sampler.params: give max_tokens beside"),
+        (("sampler", "seed"), UINT64_MAX + 1, "sampler.seed: must be an integer from 0 to"),
+    ],
+)
+def test_generate_request_rejects(path, value, detail):
+    rejects(GenerateRequest, edited(generate_doc(), path, value), detail)
+
+
+@pytest.mark.parametrize("doc", [[generate_doc()], dict(generate_doc(), session="7")])
+def test_generate_request_without_an_object_or_a_session_is_malformed(doc):
+    with pytest.raises(ProtocolError) as caught:
+        GenerateRequest.from_json(doc)
+    assert caught.value.problem == "kvsp-malformed-request"
+
+
+# --- Resume request (6.8) ---------------------------------------------------------------------
+
+
+def resume_doc() -> dict:
+    return {
+        "session": SESSION,
+        "epoch": 3,
+        "checkpoint": checkpoint_doc(),
+        "blocks": [{"block_key": K1, "sources": [H1]}],
+        "resident": [K2],
+        "deadline_ms": 200,
+        "lease_ms": 2000,
+    }
+
+
+def test_resume_request_round_trips_and_leaves_the_prefetch_bounds_to_the_node():
+    record = ResumeRequest.from_json(resume_doc())
+    assert record.to_json() == resume_doc()
+    assert record.with_prefetch_bounds(1, 1) == record
+    bare = {"session": SESSION.upper(), "epoch": 3, "checkpoint": checkpoint_doc()}
+    for absent in (DELETE, None):
+        doc = bare if absent is DELETE else dict(bare, blocks=None, lease_ms=None)
+        record = ResumeRequest.from_json(doc).with_prefetch_bounds(50, 60)
+        assert record.session == SESSION and record.blocks == () and record.resident == ()
+        assert (record.deadline_ms, record.lease_ms) == (50, 60)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "detail"),
+    [
+        (("epoch",), 1, "epoch: must be above the checkpoint's epoch 1"),
+        (("epoch",), 0, "epoch: must be an integer from 1"),
+        (("checkpoint",), DELETE, "checkpoint: required member is missing"),
+        (
+            ("checkpoint", "session"),
+            "6f1d0a9e-2c55-4d7e-9a0e-5b7f2f9f6a12",
+            "checkpoint.session: not the session resumed",
+        ),
+        (("checkpoint", "prompt_tail", 0), -1, "checkpoint.prompt_tail[0]: must be an integer"),
+        (("checkpoint", "sampler", "params", "q"), 1, "checkpoint.sampler.params: method 'top-p'"),
+        (("blocks", 0, "sources"), [], "blocks[0].sources: must not be empty"),
+        (("resident", 0), "k", "resident[0]: must be hex32"),
+        (("lease_ms",), 0, "lease_ms: must be an integer from 1"),
+    ],
+)
+def test_resume_request_rejects(path, value, detail):
+    rejects(ResumeRequest, edited(resume_doc(), path, value), detail)
+
+
+def test_resume_request_needs_a_token_to_compute_from():
+    doc = edited(
+        edited(resume_doc(), ("checkpoint", "prompt_tail"), []), ("checkpoint", "generated"), []
+    )
+    doc = edited(doc, ("checkpoint", "output_offset"), 0)
+    rejects(ResumeRequest, doc, "checkpoint: no token after the prompt blocks")
+
+
+def test_resume_request_bounds_what_it_nests():
+    limits = Limits(max_tokens=2, max_sources=0)
+    rejects(ResumeRequest, resume_doc(), "checkpoint.generated: has 3 entries", limits)
+    rejects(ResumeRequest, resume_doc(), "blocks[0].sources: has 1 entries", Limits(max_sources=0))
 
 
 # --- Shard Map and reshard messages (6.9) -----------------------------------------------------
