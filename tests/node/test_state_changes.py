@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from kvsp.problems import ProtocolError
 from kvsp.states import ServedSessionEvent
-from workers import services
+from workers import instance
 from workers.models import Node, ServedSession
 from workers.sessions import do_finish, do_start
 
@@ -24,9 +24,9 @@ def node_state() -> str:
 
 
 def test_the_node_follows_the_pcs_decisions_along_the_lifecycle():
-    assert services.ensure_node(NAME).state == "active"
+    assert instance.ensure_node(NAME).state == "active"
     for decided in ("draining", "sleeping", "active", "draining", "active"):
-        assert services.do_apply_pc_state(NAME, decided).state == decided
+        assert instance.do_apply_pc_state(NAME, decided).state == decided
         assert node_state() == decided
 
 
@@ -40,10 +40,10 @@ def test_the_node_follows_the_pcs_decisions_along_the_lifecycle():
     ],
 )
 def test_a_decision_the_lifecycle_does_not_allow_is_refused_and_changes_nothing(state, decided):
-    services.ensure_node(NAME)
+    instance.ensure_node(NAME)
     Node.objects.filter(name=NAME).update(state=state)
     with pytest.raises(ProtocolError) as caught:
-        services.do_apply_pc_state(NAME, decided)
+        instance.do_apply_pc_state(NAME, decided)
     assert caught.value.problem == "kvsp-invalid-state"
     assert f"nothing leads from state '{state}' to '{decided}'" in caught.value.detail
     assert node_state() == state
@@ -91,7 +91,7 @@ def test_a_restart_fails_only_what_the_earlier_incarnation_was_running():
         "accepted": served("accepted"),
         "completed": served("completed", node_epoch=1),
     }
-    assert services.do_fail_interrupted_sessions(NAME, node_epoch=2) == 1
+    assert instance.do_fail_interrupted_sessions(NAME, node_epoch=2) == 1
     states = {key: ServedSession.objects.get(pk=row.pk).state for key, row in rows.items()}
     assert states == {
         "running before": "failed",
