@@ -589,7 +589,10 @@ OPERATIONS = {
         None,
         {200: "DirectiveState", 403: "Problem", 404: "Problem"},
     ),
-    ("/kvsp/state", "put"): ("StateChange", {200: "StateAnswer", 403: "Problem"}),
+    ("/kvsp/state", "put"): (
+        "StateChange",
+        {200: "StateAnswer", 403: "Problem", 409: "Problem"},
+    ),
     ("/kvsp/generate", "post"): (
         "GenerateRequest",
         {202: "SessionAdmitted", 403: "Problem", 409: "Problem", 503: "Problem"},
