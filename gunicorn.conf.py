@@ -2,7 +2,7 @@
 
 Each server gets a directory of its own for prometheus-client's multiprocess mode, so that
 ``/metrics`` adds up the requests of all its workers instead of answering for whichever worker
-took the scrape (``kvspsite/metrics.py``). The directory lives under ``var/metrics/`` named by
+took the scrape (``common/metrics.py``). The directory lives under ``var/metrics/`` named by
 the server's process id; it is emptied at start-up and removed at exit, and directories left by
 servers that were killed are removed by the next server that starts. A directory named by the
 environment (``PROMETHEUS_MULTIPROC_DIR``) is used as it is.
@@ -63,8 +63,8 @@ def post_worker_init(worker):
     # first task pays for them.
     from django.conf import settings
 
-    from kvspsite.celery import CONTROL_QUEUE, instance_queue, warm_publisher
-    from kvspsite.peers import tls_context
+    from common.peers import tls_context
+    from common.tasks import CONTROL_QUEUE, instance_queue, warm_publisher
 
     control = settings.KVSP_ROLE == "control"
     tls_context()

@@ -4,7 +4,7 @@ The same database, the same load and 2 gunicorn workers of 4 threads, served thr
 
 - ``gthread``: ``kvspsite.wsgi`` under gunicorn's gthread worker (the control plane before);
 - ``asgi``: ``kvspsite.asgi`` under gunicorn's ASGI worker: requests in a pool of 4 threads per
-  process, streams on the event loop (``kvspsite/asgibridge.py``);
+  process, streams on the event loop (``common/asgibridge.py``);
 - ``django-asgi``: Django's own ASGI handler under the same worker, for comparison (it runs each
   request in a thread of its own, so persistent connections are off: ``KVSP_DB_CONN_MAX_AGE=0``).
 
@@ -44,7 +44,7 @@ from bench.bench_index import ensure_wrk, percentile, replica_records, wrk  # no
 from bench.bench_index import write_wrk_script as write_holder_script  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
 from bench.support import PG, fresh_database  # noqa: E402
-from kvspsite.processes import BIN, Server, run_manage  # noqa: E402
+from devtools.processes import BIN, Server, run_manage  # noqa: E402
 
 DB = "kvsp_bench_streams"
 COMPAT = "c0" * 32

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_index import ensure_wrk, percentile  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
 from bench.support import PG, fresh_database  # noqa: E402
-from kvspsite.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
+from devtools.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
 
 COMPAT = "ab" * 32
 HOLDERS = ["http://soak-holder-a.test/kvsp/", "http://soak-holder-b.test/kvsp/"]

@@ -154,7 +154,7 @@ class CompatDescriptor(models.Model):
 class LookupBucket(models.Model):
     """Lookups (6.2) of one minute: how many Block Keys were asked for and how many matched, for
     the hit ratio over time on the dashboard. Each server process adds its counts at most once a
-    second (``kvspsite.metrics``), so a lookup itself never waits on this write.
+    second (``common.metrics``), so a lookup itself never waits on this write.
     """
 
     minute = models.DateTimeField(unique=True)

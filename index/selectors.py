@@ -17,10 +17,9 @@ from django.db import connection
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from index import authz
+from index import authz, metrics
 from index.models import CompatDescriptor, Holder, LookupBucket, Replica, Scope, Tier
 from kvsp.records import LookupRequest
-from kvspsite import metrics
 
 _SELECT_REPLICAS = (
     "SELECT r.block_key, h.url, r.codec, r.size, r.digest, r.layer_digests, r.residency, "

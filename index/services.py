@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from common.api import OUT_OF_RANGE_DETAIL
 from index import authz
 from index.auth import new_token
 from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
@@ -23,7 +24,6 @@ from index.scopekeys import seal_scope_key
 from kvsp import blockkeys, compat, hexids
 from kvsp.problems import ProtocolError
 from kvsp.records import ReplicaRecord
-from kvspsite.api import OUT_OF_RANGE_DETAIL
 
 _TIER_BITS = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}
 

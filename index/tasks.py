@@ -1,7 +1,7 @@
 """Housekeeping of the Index Service."""
 
+from common.tasks import add_housekeeping, kvsp_task
 from index import services
-from kvspsite.celery import add_housekeeping, kvsp_task
 
 
 @kvsp_task(name="index.delete_expired_replicas", time_limit=120)

@@ -7,7 +7,7 @@ and the delegated token messages of DESIGN.md section 6.
 Every record is defined once, as a frozen ``msgspec`` struct (``WireRecord``): the bounds of
 each member are in its type and checked, in C, as a record is decoded; the rules that span
 members or need more than a bound are in ``__post_init__``, checked also when code builds a
-record. The OpenAPI description is generated from the same types (``kvspsite.openapi``).
+record. The OpenAPI description is generated from the same types (``common.openapi``).
 ``from_json(obj)`` turns a decoded JSON value into a record: it bounds every array by ``Limits``
 before it does per-entry work, ignores unknown members (4.4: "Unknown members MUST be
 ignored"), and raises ``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record``

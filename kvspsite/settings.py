@@ -134,6 +134,8 @@ INSTALLED_APPS = [
     "placement",
     "sessions.apps.KvspSessionsConfig",
     "workers",
+    "dashboard",
+    "devtools",
 ]
 
 # Middleware per role. The control plane serves the admin and the dashboard (HTML pages, static
@@ -146,8 +148,8 @@ MIDDLEWARE_BY_ROLE = {
     "control": [
         "django.middleware.security.SecurityMiddleware",
         "whitenoise.middleware.WhiteNoiseMiddleware",
-        "kvspsite.metrics.RequestMetricsMiddleware",
-        "kvspsite.api.ProblemDetailsMiddleware",
+        "common.metrics.RequestMetricsMiddleware",
+        "common.api.ProblemDetailsMiddleware",
         "django.contrib.sessions.middleware.SessionMiddleware",
         "django.middleware.common.CommonMiddleware",
         "django.middleware.csrf.CsrfViewMiddleware",
@@ -157,8 +159,8 @@ MIDDLEWARE_BY_ROLE = {
     ],
     "node": [
         "django.middleware.security.SecurityMiddleware",
-        "kvspsite.metrics.RequestMetricsMiddleware",
-        "kvspsite.api.ProblemDetailsMiddleware",
+        "common.metrics.RequestMetricsMiddleware",
+        "common.api.ProblemDetailsMiddleware",
         "django.middleware.common.CommonMiddleware",
     ],
 }
@@ -251,7 +253,7 @@ KVSP_RATE_LIMIT_PER_S = _float_setting("KVSP_RATE_LIMIT_PER_S", 2000.0)
 KVSP_RATE_LIMIT_BURST = _int_setting("KVSP_RATE_LIMIT_BURST", 4000)
 # Refused bearer tokens per second and burst per client address and serving process: past them
 # an address's tokens are answered 429 before they are looked up, except tokens the process has
-# verified before (kvspsite/throttling.py); 0 turns the limit off.
+# verified before (common/throttling.py); 0 turns the limit off.
 KVSP_AUTH_FAILURES_PER_S = _float_setting("KVSP_AUTH_FAILURES_PER_S", 5.0)
 KVSP_AUTH_FAILURES_BURST = _int_setting("KVSP_AUTH_FAILURES_BURST", 50)
 # Proxies in front of the servers whose X-Forwarded-For names the client (0: the field is
@@ -452,14 +454,14 @@ if CELERY_RESULT_BACKEND.startswith("file://"):
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": [
-        "kvspsite.api.KvspJSONRenderer",
-        "kvspsite.api.PlainJSONRenderer",
+        "common.api.KvspJSONRenderer",
+        "common.api.PlainJSONRenderer",
     ],
-    "DEFAULT_PARSER_CLASSES": ["kvspsite.api.KvspJSONParser", "kvspsite.api.PlainJSONParser"],
-    "DEFAULT_AUTHENTICATION_CLASSES": ["kvspsite.api.BearerTokenAuthentication"],
+    "DEFAULT_PARSER_CLASSES": ["common.api.KvspJSONParser", "common.api.PlainJSONParser"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["common.api.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "EXCEPTION_HANDLER": "kvspsite.api.problem_exception_handler",
-    "DEFAULT_THROTTLE_CLASSES": ["kvspsite.throttling.PrincipalRateThrottle"],
+    "EXCEPTION_HANDLER": "common.api.problem_exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": ["common.throttling.PrincipalRateThrottle"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
@@ -474,7 +476,7 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
-        "kvspsite.openapi.describe",
+        "common.openapi.describe",
     ],
     "DISABLE_ERRORS_AND_WARNINGS": True,
 }

@@ -3,7 +3,7 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView
 
-from kvspsite import metrics, views
+from common import metrics, views
 
 urlpatterns = [
     path("kvsp/schema", SpectacularAPIView.as_view(), name="schema"),

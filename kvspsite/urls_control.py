@@ -4,7 +4,7 @@ operator dashboard."""
 from django.contrib import admin
 from django.urls import include, path
 
-from kvspsite.dashboard.views import favicon
+from dashboard.views import favicon
 from kvspsite.urls_common import urlpatterns as common
 
 urlpatterns = [
@@ -14,7 +14,7 @@ urlpatterns = [
     path("kvsp/", include("sessions.api.urls")),
     path("admin/", admin.site.urls),
     path("favicon.ico", favicon, name="favicon"),
-    path("", include("kvspsite.dashboard.urls")),
+    path("", include("dashboard.urls")),
 ]
 
 admin.site.site_header = admin.site.site_title = "KVSP administration"

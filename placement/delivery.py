@@ -24,10 +24,10 @@ from django.conf import settings
 from django.db import close_old_connections, connections, transaction
 from django.utils import timezone
 
+from common.peers import PeerUnreachable, call, peer_client, raise_for_problem
+from common.tasks import enqueue
 from kvsp.problems import ProtocolError
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
-from kvspsite.celery import enqueue
-from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 from placement.models import Directive, DirectiveState, InstanceState
 
 log = logging.getLogger(__name__)

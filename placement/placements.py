@@ -16,14 +16,13 @@ from django.db import transaction
 from django.db.models import Subquery
 from django.utils import timezone
 
-from index import authz
+from index import authz, metrics
 from index import selectors as index_selectors
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import PlacementRequest
-from kvspsite import metrics
 from placement import delivery, policy, pricing, services
 from placement.models import Directive, InstanceState
 from placement.selectors import candidates, matched_block_table

@@ -32,6 +32,8 @@ import httpx
 from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
+from common.peers import PeerUnreachable, call, peer_client
+from common.tasks import enqueue
 from index.models import CompatDescriptor
 from kvsp import sharding
 from kvsp.hexids import is_hex
@@ -39,8 +41,6 @@ from kvsp.problems import ProtocolError
 from kvsp.records import DEFAULT_LIMITS, UINT32_MAX, InvalidRecord, ReshardPlan
 from kvsp.records import ShardMap as ShardMapRecord
 from kvsp.states import RESHARD_PHASES, ReshardEvent
-from kvspsite.celery import enqueue
-from kvspsite.peers import PeerUnreachable, call, peer_client
 from placement.models import ReshardOperation, ReshardPhase, ShardMap
 
 log = logging.getLogger(__name__)

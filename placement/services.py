@@ -17,11 +17,11 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from common.tasks import enqueue
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from kvsp.records import InstanceStatusRecord, base_url_rule_broken
 from kvsp.states import DIRECTIVE_STATES, INSTANCE_LIFECYCLE, DirectiveEvent, InstanceEvent
-from kvspsite.celery import enqueue
 from placement import policy
 from placement.models import Directive, Instance, InstanceState, StatusSample
 

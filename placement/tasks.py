@@ -13,11 +13,11 @@ from django.conf import settings
 from django.db.models import F, Q
 from django.utils import timezone
 
+from common.peers import call, peer_client, raise_for_problem
+from common.tasks import add_housekeeping, kvsp_task
 from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveState as DirectiveStateRecord
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
-from kvspsite.celery import add_housekeeping, kvsp_task
-from kvspsite.peers import call, peer_client, raise_for_problem
 from placement import delivery, fetchplan, resharding, services
 from placement.models import (
     Directive,

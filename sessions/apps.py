@@ -6,3 +6,6 @@ class KvspSessionsConfig(AppConfig):
     name = "sessions"
     label = "kvsp_sessions"
     verbose_name = "Sessions"
+
+    def ready(self):
+        from sessions import metrics  # noqa: F401 -- registers the figures /metrics reads

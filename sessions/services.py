@@ -18,6 +18,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from common.tasks import enqueue
 from index import selectors as index_selectors
 from index.auth import CONTROLLER
 from index.models import CompatDescriptor, Scope
@@ -34,12 +35,10 @@ from kvsp.states import (
     next_session_epoch,
 )
 from kvsp.timeline import check_timings
-from kvspsite import metrics
-from kvspsite.celery import enqueue
 from placement import delivery, pricing
 from placement.models import Instance, InstanceState
 from placement.selectors import candidates, matched_blocks
-from sessions import selectors, streams
+from sessions import metrics, selectors, streams
 from sessions.models import OutputToken, Session, SessionState
 
 log = logging.getLogger(__name__)

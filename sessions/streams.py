@@ -2,7 +2,7 @@
 process: wake-ups when their session changes, the threads that read for them, and the rows
 that count them against ``KVSP_STREAMS_PER_PRINCIPAL``.
 
-A stream waits on the event loop (``kvspsite/asgibridge.py``), not in a thread, and reads the
+A stream waits on the event loop (``common/asgibridge.py``), not in a thread, and reads the
 database only when woken:
 
 - one watcher per event loop reads, every ``POLL_S`` while any stream is open, the delivered

@@ -3,9 +3,9 @@ again every resume still owed (each is work recorded on the session's row first)
 
 from __future__ import annotations
 
+from common.peers import PeerUnreachable, call, peer_client, raise_for_problem
+from common.tasks import add_housekeeping, kvsp_task
 from kvsp.problems import ProtocolError
-from kvspsite.celery import add_housekeeping, kvsp_task
-from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 from sessions import services
 from sessions.models import Session, SessionState
 

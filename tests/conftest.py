@@ -27,7 +27,7 @@ def _fresh_authentication_failures():
     """Each test starts with no failed authentication counted against 127.0.0.1 in this
     process. Servers count theirs in their own processes: a test that needs an address over
     its budget starts a server of its own (``tests/node/test_blocks.py``)."""
-    from kvspsite.throttling import FAILED_AUTHENTICATIONS
+    from common.throttling import FAILED_AUTHENTICATIONS
 
     FAILED_AUTHENTICATIONS.clear()
 
@@ -37,7 +37,7 @@ def _fresh_lookup_tally():
     """Lookups counted by earlier tests in this process are dropped, never written: the tally
     writes on ``request_finished`` once its interval has passed, and a write landing inside
     another test would add a statement to its pinned query count, or counts to its buckets."""
-    from kvspsite import metrics
+    from index import metrics
 
     metrics.lookup_tally.take()
     yield
@@ -48,7 +48,7 @@ def _fresh_lookup_tally():
 def lookup_tally_not_due(monkeypatch):
     """The lookup tally does not come due during the test: the statements of a request that
     looks up do not depend on whether a second has passed since the tally last wrote."""
-    from kvspsite import metrics
+    from index import metrics
 
     monkeypatch.setattr(metrics, "LOOKUP_WRITE_INTERVAL_S", float("inf"))
 

@@ -32,10 +32,11 @@ from django.http import HttpResponse
 from django.http.request import split_domain_port, validate_host
 from django.middleware.security import SecurityMiddleware
 
-from kvspsite.api import holder_principal, problem_answer
-from kvspsite.metrics import BLOCKS_SENT, REQUEST_SECONDS, REQUESTS
+from common.api import holder_principal, problem_answer
+from common.metrics import REQUEST_SECONDS, REQUESTS
 from workers import serving
 from workers.api.views import BLOCK_ACCEPT
+from workers.metrics import BLOCKS_SENT
 
 _PATH = re.compile(r"/kvsp/blocks/([0-9a-f]{64})/([0-9a-f]{32})/([0-9a-f]{64})")
 _ACCEPTED = frozenset(value.encode("latin-1") for value in BLOCK_ACCEPT if value is not None)

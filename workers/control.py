@@ -21,6 +21,7 @@ import httpx
 import orjson
 from django.conf import settings
 
+from common.peers import PeerUnreachable, call, peer_client, raise_for_problem
 from kvsp.blockkeys import scope_id as scope_id_of
 from kvsp.delegation import DelegatedTokenCache
 from kvsp.problems import ProtocolError, problem_name
@@ -31,7 +32,6 @@ from kvsp.records import (
     TokenGrant,
     TokenRequest,
 )
-from kvspsite.peers import PeerUnreachable, call, peer_client, raise_for_problem
 
 CONTROL_TIMEOUT = httpx.Timeout(10.0, connect=2.0)
 

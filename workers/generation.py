@@ -57,12 +57,12 @@ from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
+from common.peers import PeerUnreachable
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
 from kvsp.records import MAX_TOKENS_PARAM, GenerateRequest, Sampler, SessionCheckpoint
 from kvsp.states import ServedSessionEvent
 from kvsp.timeline import StepTimer
-from kvspsite.peers import PeerUnreachable
 from workers import admission, control, fetch, notices, replicas
 from workers import prefetch as prefetching
 from workers import sessions as served

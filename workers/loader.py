@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from django.conf import settings
 from django.db import connections
 
+from common.peers import PeerUnreachable, peer_client
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseRequest, ReplicaRecord
-from kvspsite.peers import PeerUnreachable, peer_client
 from workers import admission, control, fetch, replicas, tiers
 from workers.links import LinkMeter
 

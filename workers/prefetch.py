@@ -21,10 +21,10 @@ from datetime import timedelta
 from django.db import transaction
 from django.utils import timezone
 
+from common.tasks import RETRYABLE, instance_queue
 from kvsp.problems import ProtocolError
 from kvsp.records import PrefetchDirective
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
-from kvspsite.celery import RETRYABLE, instance_queue
 from workers import loader, notices, selectors
 from workers.instance import lock_node
 from workers.models import Directive, DirectiveState, Node, NodeState

@@ -58,6 +58,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
+from common.tasks import enqueue, instance_queue
 from kvsp import sharding
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
@@ -70,7 +71,6 @@ from kvsp.records import (
     ReshardPlan,
     TokenRange,
 )
-from kvspsite.celery import enqueue, instance_queue
 from workers import admission, fetch, loader, notices, reshard_moves
 from workers.models import MovePhase, ReshardMove, StoredBlock
 

@@ -32,8 +32,8 @@ from celery import signals
 from django.conf import settings
 from django.db import close_old_connections
 
-from kvspsite.celery import instance_queue
-from kvspsite.peers import tls_context
+from common.peers import tls_context
+from common.tasks import instance_queue
 from workers import admission, eviction, instance, replicas, tiers
 
 log = logging.getLogger(__name__)

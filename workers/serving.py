@@ -25,14 +25,14 @@ from typing import BinaryIO
 from django.http import FileResponse, StreamingHttpResponse
 from django.utils import timezone
 
+from common.api import KVSP_BLOCK, problem_answer
 from kvsp.container import decode, slice_layers
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from kvsp.records import UINT16_MAX, UINT32_MAX
 from kvsp.reprdigest import repr_digest_header
-from kvspsite.api import KVSP_BLOCK, problem_answer
-from kvspsite.metrics import BLOCKS_SENT
 from workers import eviction, selectors, tiers
+from workers.metrics import BLOCKS_SENT
 from workers.models import StoredBlock
 
 # Octets read from the serving copy at a time when it is sent in pieces.

@@ -28,6 +28,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from common.tasks import instance_queue
 from index.authz import may_read_scope
 from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
@@ -39,7 +40,6 @@ from kvsp.records import (
     Sampler,
 )
 from kvsp.states import SERVED_SESSION_STATES, ServedSessionEvent
-from kvspsite.celery import instance_queue
 from workers import instance, selectors
 from workers.models import (
     Directive,

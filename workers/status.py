@@ -14,10 +14,10 @@ from collections.abc import Callable
 from django.conf import settings
 from django.db import close_old_connections
 
+from common.peers import PeerUnreachable
+from common.tasks import instance_queue
 from kvsp.problems import ProtocolError
 from kvsp.records import InstanceStatusRecord
-from kvspsite.celery import instance_queue
-from kvspsite.peers import PeerUnreachable
 from workers import admission, control, instance, leases, replicas, reshard_moves, selectors
 from workers.models import NodeState
 

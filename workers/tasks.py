@@ -3,8 +3,8 @@ calls one function, and running one again does no harm."""
 
 from __future__ import annotations
 
+from common.tasks import kvsp_task
 from kvsp.problems import ProtocolError
-from kvspsite.celery import kvsp_task
 from workers import generation, resharding, runtime
 from workers import prefetch as prefetching
 

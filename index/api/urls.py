@@ -1,6 +1,6 @@
 from django.urls import path
 
-import kvspsite.converters  # noqa: F401 - registers hex16 and hex32
+import common.converters  # noqa: F401 - registers hex16 and hex32
 from index.api import views
 
 urlpatterns = [

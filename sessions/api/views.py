@@ -12,9 +12,9 @@ from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from common.asgibridge import LoopStreamingResponse
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
-from kvspsite.asgibridge import LoopStreamingResponse
 from sessions import services, streams
 from sessions.models import Session
 

@@ -12,9 +12,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from index import metrics
 from index.auth import principal_for_token
 from index.models import Principal
-from kvspsite import metrics
 from placement import resharding
 from sessions import streams
 from tests.placement.conftest import HOLDER, cluster  # noqa: F401 - the constructed cluster

@@ -7,7 +7,7 @@ import pytest
 from django.db import OperationalError
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvspsite.metrics import DatabaseCollector
+from common.metrics import DatabaseCollector
 from placement.models import Directive
 from sessions.models import Session
 

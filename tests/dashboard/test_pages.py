@@ -4,8 +4,8 @@ import uuid
 
 import pytest
 
+from dashboard import sections
 from index.models import LookupBucket
-from kvspsite.dashboard import sections
 from tests.dashboard.conftest import II1_URL
 
 pytestmark = pytest.mark.django_db
@@ -75,7 +75,7 @@ def test_lookups_are_counted_per_minute_from_the_api(scene):
         "block_keys": list(reversed(cluster.keys)),  # the first key has no replica
     }
     assert cluster.router.post("/kvsp/lookup", lookup).status_code == 200
-    from kvspsite import metrics
+    from index import metrics
 
     metrics.lookup_tally.write()
     bucket = LookupBucket.objects.get()

@@ -1,4 +1,4 @@
-"""The control plane's server (kvspsite/asgibridge.py) hands requests to Django as gthread did:
+"""The control plane's server (common/asgibridge.py) hands requests to Django as gthread did:
 bodies whole or chunked, a body past the limit refused without being read whole, paths and
 query strings as sent."""
 

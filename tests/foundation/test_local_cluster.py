@@ -127,7 +127,7 @@ def test_ctrl_c_stops_every_process_within_seconds(tmp_path):
 LAUNCHER = """
 import sys, time
 from pathlib import Path
-from kvspsite.processes import Process
+from devtools.processes import Process
 Process("sleeper", ["sleep", "120"], {"KVSP_MARK": sys.argv[1]}, Path(sys.argv[1])).start()
 print("started", flush=True)
 time.sleep(120)

@@ -170,8 +170,8 @@ BROWSER_MIDDLEWARE = {
 }
 API_MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    "kvspsite.metrics.RequestMetricsMiddleware",
-    "kvspsite.api.ProblemDetailsMiddleware",
+    "common.metrics.RequestMetricsMiddleware",
+    "common.api.ProblemDetailsMiddleware",
     "django.middleware.common.CommonMiddleware",
 ]
 

@@ -11,9 +11,9 @@ from functools import partial
 
 import pytest
 
+from devtools.processes import run_manage
 from kvsp.container import decode
 from kvsp.reprdigest import repr_digest_header, verify_repr_digest
-from kvspsite.processes import run_manage
 from tests.node.conftest import REPLICA_TTL_MS
 from tests.node.support import (
     BLOCK,

@@ -3,7 +3,7 @@
 import os
 import socket
 
-from kvspsite.processes import (  # noqa: F401
+from devtools.processes import (  # noqa: F401
     BIN,
     PYTHON,
     ROOT,

@@ -21,6 +21,15 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from common.api import (
+    KVSP_BLOCK,
+    HolderAuthentication,
+    KvspBlockParser,
+    KvspBlockRenderer,
+    KvspJSONRenderer,
+    PlainJSONRenderer,
+    ReceivedContainer,
+)
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from kvsp.records import (
@@ -32,16 +41,6 @@ from kvsp.records import (
     parse_reshard_body,
 )
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
-from kvspsite.api import (
-    KVSP_BLOCK,
-    HolderAuthentication,
-    KvspBlockParser,
-    KvspBlockRenderer,
-    KvspJSONRenderer,
-    PlainJSONRenderer,
-    ReceivedContainer,
-)
-from kvspsite.metrics import BLOCKS_SENT
 from workers import (
     admission,
     instance,
@@ -53,6 +52,7 @@ from workers import (
     sessions,
     tiers,
 )
+from workers.metrics import BLOCKS_SENT
 from workers.models import Directive
 
 # Accept fields of a block GET that only the container answers.

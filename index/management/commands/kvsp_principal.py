@@ -1,10 +1,10 @@
 from django.core.management.base import CommandError
 from django.utils import timezone
 
+from common.commands import JsonCommand
 from index import services
 from index.models import Principal
 from kvsp.hexids import is_hex
-from kvspsite.commands import JsonCommand
 
 
 class Command(JsonCommand):

@@ -1,8 +1,8 @@
 from django.core.management.base import CommandError
 
+from common.commands import JsonCommand
 from index import services
 from index.models import Scope
-from kvspsite.commands import JsonCommand
 
 
 class Command(JsonCommand):

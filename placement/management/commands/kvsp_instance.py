@@ -1,4 +1,4 @@
-from kvspsite.commands import JsonCommand
+from common.commands import JsonCommand
 from placement import services
 from placement.models import Instance
 

@@ -22,13 +22,13 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST, require_safe
 
+from dashboard import sections
+from dashboard.sections import Page
 from index import selectors as index_selectors
 from index import services as index_services
 from index.models import Tier
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
-from kvspsite.dashboard import sections
-from kvspsite.dashboard.sections import Page
 from placement import resharding
 from placement import selectors as placement_selectors
 from placement import services as placement_services

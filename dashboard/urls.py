@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from kvspsite.dashboard import views
+from dashboard import views
 
 app_name = "dashboard"
 

@@ -53,7 +53,7 @@ BLOCK_TYPE = "application/kvsp-block"
 
 
 class BearerTokenScheme(OpenApiAuthenticationExtension):
-    target_class = "kvspsite.api.BearerTokenAuthentication"
+    target_class = "common.api.BearerTokenAuthentication"
     name = "bearer"
 
     def get_security_definition(self, auto_schema):

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvspsite.processes import (
+from devtools.processes import (
     ROOT,
     Beat,
     Process,

@@ -26,10 +26,10 @@ from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer
 from rest_framework.response import Response
 
+from common.throttling import FAILED_AUTHENTICATIONS, PrincipalRateThrottle
 from kvsp.container import MEDIA_TYPE, Container, decode
 from kvsp.problems import PROBLEM_MEDIA_TYPE, ProtocolError, problem_document
 from kvsp.reprdigest import ReprDigestHasher
-from kvspsite.throttling import FAILED_AUTHENTICATIONS, PrincipalRateThrottle
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class BearerTokenAuthentication(BaseAuthentication):
             return None
         token = parts[1].decode("ascii", "replace") if len(parts) == 2 else ""
         # Guessing tokens from an address that has spent its failures is answered 429 here,
-        # before the lookup that each guess would cost (kvspsite/throttling.py).
+        # before the lookup that each guess would cost (common/throttling.py).
         FAILED_AUTHENTICATIONS.check(request, token)
         if len(parts) != 2:
             FAILED_AUTHENTICATIONS.failed(request, None)
@@ -473,4 +473,4 @@ class ProblemDetailsMiddleware:
 
 
 # The OpenAPI description registers the bearer scheme when imported.
-import kvspsite.openapi  # noqa: E402, F401
+import common.openapi  # noqa: E402, F401

@@ -1,11 +1,11 @@
-"""``manage.py kvsp_cluster``: a whole cluster on this machine (kvspsite/localcluster.py)."""
+"""``manage.py kvsp_cluster``: a whole cluster on this machine (devtools/localcluster.py)."""
 
 import json
 from pathlib import Path
 
 from django.core.management.base import BaseCommand
 
-from kvspsite.localcluster import ClusterError, LocalCluster
+from devtools.localcluster import ClusterError, LocalCluster
 
 # How long the instances are watched after the run, for the summary: longer than a status TTL
 # and a keeper round, so that a node that stalls shows.

@@ -1,0 +1,157 @@
+"""The Index Service's metrics: lookups as they happen, and the replicas the index holds."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from datetime import datetime
+
+from django.core.signals import request_finished
+from django.db import DatabaseError
+from django.utils import timezone
+from prometheus_client import Counter, Histogram
+
+from common.metrics import database_figures, gauge
+
+log = logging.getLogger(__name__)
+
+LOOKUPS = Counter(
+    "kvsp_lookups",
+    "Prefix lookups in the index (6.2): POST lookup, and the lookup of each placement.",
+    ["source"],
+)
+LOOKUP_BLOCK_KEYS = Counter(
+    "kvsp_lookup_block_keys", "Block Keys asked for in lookups.", ["source"]
+)
+LOOKUP_MATCHED_BLOCKS = Counter(
+    "kvsp_lookup_matched_blocks", "Block Keys of the matched prefix of lookups.", ["source"]
+)
+LOOKUP_MATCHED_RATIO = Histogram(
+    "kvsp_lookup_matched_ratio",
+    "Per lookup, the matched prefix as a fraction of the Block Keys asked for.",
+    ["source"],
+    buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+)
+
+
+# --- Lookup outcomes, for /metrics and for the dashboard's hit ratio over time ----------------
+
+# How often a process writes the lookups it counted to the database (index.LookupBucket).
+LOOKUP_WRITE_INTERVAL_S = 1.0
+
+
+class LookupTally:
+    """Lookups this process counted and has not yet added to ``index.LookupBucket``.
+
+    A lookup only adds to memory; the counts go to the database in one upsert per minute
+    bucket, after a response has been sent and at most once per ``LOOKUP_WRITE_INTERVAL_S``,
+    so the hot path never waits on a write. A process that stops loses at most that long.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # minute -> [lookups, hits, block_keys, matched_blocks]
+        self._pending: dict[datetime, list[int]] = {}
+        self._written_at = 0.0
+
+    def add(self, block_keys: int, matched: int, now: datetime) -> None:
+        minute = now.replace(second=0, microsecond=0)
+        with self._lock:
+            counts = self._pending.setdefault(minute, [0, 0, 0, 0])
+            counts[0] += 1
+            counts[1] += 1 if matched else 0
+            counts[2] += block_keys
+            counts[3] += matched
+
+    def take(self) -> dict[datetime, list[int]]:
+        """The counts not yet written, which this tally then forgets."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._written_at = time.monotonic()
+        return pending
+
+    def write_if_due(self, **_) -> None:
+        """``request_finished`` receiver: write when there is something and the time has come."""
+        with self._lock:
+            due = time.monotonic() - self._written_at >= LOOKUP_WRITE_INTERVAL_S
+            if not (self._pending and due):
+                return
+        self._write(self.take())
+
+    def write(self) -> None:
+        """Write everything counted so far, now."""
+        self._write(self.take())
+
+    def _write(self, pending: dict[datetime, list[int]]) -> None:
+        from index.services import do_record_lookups  # services import this module
+
+        for minute, (lookups, hits, block_keys, matched) in sorted(pending.items()):
+            try:
+                do_record_lookups(
+                    minute,
+                    lookups=lookups,
+                    hits=hits,
+                    block_keys=block_keys,
+                    matched_blocks=matched,
+                )
+            except DatabaseError:
+                # Counts are figures for a chart: keep them for the next try, never fail a request.
+                log.warning("could not record %d lookups of %s; will retry", lookups, minute)
+                with self._lock:
+                    counts = self._pending.setdefault(minute, [0, 0, 0, 0])
+                    for position, value in enumerate((lookups, hits, block_keys, matched)):
+                        counts[position] += value
+
+
+lookup_tally = LookupTally()
+request_finished.connect(lookup_tally.write_if_due, dispatch_uid="kvsp-lookup-tally")
+
+
+@functools.cache
+def _lookup_series(source: str) -> tuple:
+    # Resolving labels costs more than counting: once per source, not once per lookup.
+    return (
+        LOOKUPS.labels(source),
+        LOOKUP_BLOCK_KEYS.labels(source),
+        LOOKUP_MATCHED_BLOCKS.labels(source),
+        LOOKUP_MATCHED_RATIO.labels(source),
+    )
+
+
+def observe_lookup(source: str, block_keys: int, matched: int) -> None:
+    """One prefix lookup of ``block_keys`` keys whose first ``matched`` matched (6.2)."""
+    lookups, keys, matched_blocks, ratio = _lookup_series(source)
+    lookups.inc()
+    keys.inc(block_keys)
+    matched_blocks.inc(matched)
+    if block_keys:
+        ratio.observe(matched / block_keys)
+    lookup_tally.add(block_keys, matched, timezone.now())
+
+
+@database_figures("control")
+def replica_figures(now):
+    from index import selectors  # selectors import this module
+
+    totals = selectors.replica_tier_totals(now=now)
+    yield gauge(
+        "kvsp_replicas", "Unexpired replicas in the index (6.1).", (), [((), totals["replicas"])]
+    )
+    yield gauge(
+        "kvsp_replica_octets", "Octets of the unexpired replicas.", (), [((), totals["octets"])]
+    )
+    tiers = totals["tiers"].items()
+    yield gauge(
+        "kvsp_tier_replicas",
+        "Unexpired replicas with layers in a tier (a replica may count in several).",
+        ["tier"],
+        (((tier,), figures["replicas"]) for tier, figures in tiers),
+    )
+    yield gauge(
+        "kvsp_tier_replica_octets",
+        "Octets of the unexpired replicas with layers in a tier.",
+        ["tier"],
+        (((tier,), figures["octets"]) for tier, figures in tiers),
+    )
