@@ -138,7 +138,7 @@ def replica_rows_by_key(
 
 class ReplicaGroup(NamedTuple):
     """The looked-up keys (by position) of which one holder has replicas of one shape: what the
-    cost model reads of them (placement.pricing.BlockTable)."""
+    cost model reads of them (kvsp.pricing.BlockTable)."""
 
     holder: str
     size: int

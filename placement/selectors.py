@@ -18,9 +18,8 @@ from django.utils import timezone
 
 from index.authz import may_read_scope
 from index.models import CompatDescriptor
-from kvsp import cost
+from kvsp import cost, pricing
 from kvsp.records import InstanceStatusRecord, ResidencyEntry
-from placement import pricing
 from placement.models import (
     Directive,
     DirectiveState,
