@@ -76,7 +76,7 @@ def setup(env, instances: int, prompt_tokens: int):
     import django
 
     django.setup()
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
     from index.scopekeys import open_scope_key
     from index.services import (
         do_create_principal,

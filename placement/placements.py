@@ -17,7 +17,8 @@ from django.db import transaction
 from django.db.models import Subquery
 from django.utils import timezone
 
-from index import authz, metrics
+from common.permissions import may_read_scope
+from index import metrics
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
@@ -62,7 +63,7 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
         .annotate(block_tokens=Subquery(descriptor[:1]))
         .first()
     )
-    if scope is None or not authz.may_read_scope(principal, scope_id):
+    if scope is None or not may_read_scope(principal, scope_id):
         raise ProtocolError("kvsp-not-found", "no such scope")
     if scope.block_tokens is None:
         raise ProtocolError(

@@ -18,8 +18,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from common.permissions import has_scope_grant, may_read_scope
 from common.tasks import enqueue
-from index.auth import CONTROLLER
+from index.authentication import CONTROLLER
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
@@ -102,7 +103,7 @@ def _record_checkpoint(principal, session_id: str, body: object, *, now=None) ->
     key = parse_session_id(session_id)
     if checkpoint.session != str(key):
         raise ProtocolError("kvsp-malformed-request", "session in the body differs from the path")
-    if bytes.fromhex(checkpoint.scope_id) not in principal.scope_ids:
+    if not has_scope_grant(principal, bytes.fromhex(checkpoint.scope_id)):
         raise ProtocolError("kvsp-forbidden", "not authorized for the checkpoint's scope")
     instance = _principal_instance(principal)
     now = now or timezone.now()
@@ -209,7 +210,7 @@ def do_post_output(principal, session_id: str, body: object, *, now=None) -> dic
     now = now or timezone.now()
     with transaction.atomic():
         session = Session.objects.select_for_update().filter(session=key).first()
-        if session is None or bytes(session.scope_id) not in principal.scope_ids:
+        if session is None or not has_scope_grant(principal, session.scope_id):
             raise ProtocolError("kvsp-not-found", "no such session")
         for token in tokens:
             accept_epoch(EpochRole.ISSUER, session.epoch, token.epoch, "epoch")
@@ -265,9 +266,7 @@ def output_of(principal, session_id: str, *, after: int = -1) -> dict:
     """The delivered tokens after index ``after``, for a principal of the session's scope."""
     key = parse_session_id(session_id)
     session = Session.objects.filter(session=key).first()
-    if session is None or not (
-        principal.controller or bytes(session.scope_id) in principal.scope_ids
-    ):
+    if session is None or not may_read_scope(principal, session.scope_id):
         raise ProtocolError("kvsp-not-found", "no such session")
     return selectors.output_after(session, after)
 
