@@ -79,7 +79,7 @@ def post_worker_init(worker):
     gc.set_threshold(20_000, 20, 20)
     # A worker of the control plane prices placements: compile the fetch plan as it starts.
     if control:
-        from placement.fetchplan import warm_in_background
+        from kvsp.fetchplan import warm_in_background
 
         warm_in_background()
 

@@ -32,24 +32,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_index import ensure_wrk, percentile, wrk  # noqa: E402
+from tests.support.descriptors import descriptor  # noqa: E402
 from tests.support.processes import Server, run_manage  # noqa: E402
 
 PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_placement"
 HOLDERS = [f"http://holder-{h}.test/kvsp/" for h in range(4)]
 BLOCK_TOKENS = 16
-DESCRIPTOR = {
-    "model": "bench-llama",
-    "model_digest": "sha-256:" + "1" * 64,
-    "tokenizer_digest": "sha-256:" + "2" * 64,
-    "layers": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "kv_dtype": "bfloat16",
-    "positional": "rope;theta=500000",
-    "block_tokens": BLOCK_TOKENS,
-    "layout": "kvsp-layout-1",
-}
+DESCRIPTOR = descriptor(
+    model="bench-llama",
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+    kv_dtype="bfloat16",
+    positional="rope;theta=500000",
+    block_tokens=BLOCK_TOKENS,
+)
 
 
 def status(url, epoch, links, **figures):
@@ -78,7 +76,7 @@ def setup(env, instances: int, prompt_tokens: int):
     import django
 
     django.setup()
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
     from index.scopekeys import open_scope_key
     from index.services import (
         do_create_principal,

@@ -83,7 +83,7 @@ def setup(env: dict) -> dict:
     import django
 
     django.setup()
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
     from index.services import do_create_principal, do_create_scope, do_publish_replica
     from kvsp.records import ReplicaRecord
     from placement.models import Instance

@@ -22,23 +22,22 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.support.descriptors import descriptor  # noqa: E402
 from tests.support.processes import Process, free_port, run_manage  # noqa: E402
 
 PG = "postgres://postgres@127.0.0.1:5432"
 BLOCK_TOKENS = 16
 # A Llama-3-8B block of 16 tokens: 32 layers, 8 KV heads of 128, float16 (2 MiB).
-DESCRIPTOR = {
-    "model": "bench-llama-8b",
-    "model_digest": "sha-256:" + "a1" * 32,
-    "tokenizer_digest": "sha-256:" + "b2" * 32,
-    "layers": 32,
-    "kv_heads": 8,
-    "head_dim": 128,
-    "kv_dtype": "float16",
-    "positional": "rope;theta=500000",
-    "block_tokens": BLOCK_TOKENS,
-    "layout": "kvsp-layout-1",
-}
+DESCRIPTOR = descriptor(
+    model="bench-llama-8b",
+    model_digest="sha-256:" + "a1" * 32,
+    tokenizer_digest="sha-256:" + "b2" * 32,
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+    positional="rope;theta=500000",
+    block_tokens=BLOCK_TOKENS,
+)
 SECTION = BLOCK_TOKENS * 8 * 128 * 2  # octets of one K or V section of such a block
 
 

@@ -1,8 +1,11 @@
-"""REST plumbing shared by both roles: media types, bearer tokens, RFC 9457 problem details.
+"""REST plumbing shared by both roles: media types, parsers and renderers, RFC 9457 problem
+details. (Bearer tokens are the Index Service's: ``index.authentication``.)
 
-Every error on the API, wherever it arises (a view, the URL resolver, a parser, the auth layer or
-an uncaught exception), leaves as ``application/problem+json`` whose ``type`` ends with the
-problem's name. A 5xx never echoes internal text.
+Every error on the API, wherever it arises (a view, the URL resolver, a parser, the auth layer,
+the node's own block path or an uncaught exception), leaves as ``application/problem+json``
+whose ``type`` ends with the problem's name, by one mapping (``problem_for_exception``) that
+DRF's exception handler, ``ProblemDetailsMiddleware`` and the raw paths all answer with. A 5xx
+never echoes internal text.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ from __future__ import annotations
 import logging
 import mmap
 import tempfile
-import threading
-import time
 from contextlib import suppress
 from pathlib import Path
 
@@ -21,12 +22,10 @@ from django.core.exceptions import PermissionDenied, RequestDataTooBig, Suspicio
 from django.db import DataError, IntegrityError, InterfaceError, OperationalError
 from django.http import Http404, HttpResponse
 from rest_framework import exceptions, status
-from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer
 from rest_framework.response import Response
 
-from common.throttling import FAILED_AUTHENTICATIONS, PrincipalRateThrottle
 from kvsp.container import MEDIA_TYPE, Container, decode
 from kvsp.problems import PROBLEM_MEDIA_TYPE, ProtocolError, problem_document
 from kvsp.reprdigest import ReprDigestHasher
@@ -155,113 +154,6 @@ class KvspBlockRenderer(BaseRenderer):
         return orjson.dumps(data, option=_ORJSON_OPTIONS)
 
 
-class BearerTokenAuthentication(BaseAuthentication):
-    """``Authorization: Bearer <token>``; the principal comes from the Index Service's table."""
-
-    keyword = b"bearer"
-
-    def authenticate(self, request):
-        parts = get_authorization_header(request).split()
-        if not parts or parts[0].lower() != self.keyword:
-            return None
-        token = parts[1].decode("ascii", "replace") if len(parts) == 2 else ""
-        # Guessing tokens from an address that has spent its failures is answered 429 here,
-        # before the lookup that each guess would cost (common/throttling.py).
-        FAILED_AUTHENTICATIONS.check(request, token)
-        if len(parts) != 2:
-            FAILED_AUTHENTICATIONS.failed(request, None)
-            raise exceptions.AuthenticationFailed(
-                "the Authorization field must be 'Bearer <token>'"
-            )
-        if not parts[1].isascii():
-            FAILED_AUTHENTICATIONS.failed(request, None)
-            raise exceptions.AuthenticationFailed("the bearer token is not ASCII")
-        principal = self.principal_for(token)
-        if principal is None:
-            FAILED_AUTHENTICATIONS.failed(request, token)
-            raise exceptions.AuthenticationFailed("the bearer token is not valid")
-        FAILED_AUTHENTICATIONS.verified(token)
-        return principal, token
-
-    def principal_for(self, token: str):
-        """The principal a token stands for, or None: a principal's own token only."""
-        from index.auth import principal_for_token
-
-        return principal_for_token(token)
-
-    def authenticate_header(self, request):
-        return 'Bearer realm="kvsp"'
-
-
-class CachedBearerTokenAuthentication(BearerTokenAuthentication):
-    """A bearer token verified once and taken as it was for ``KVSP_AUTH_CACHE_S``, in this
-    process: for the block and lease requests, which a loader sends by the hundred per second
-    over kept-alive connections, so that they do not each pay a query for the same principal.
-    Only valid tokens are remembered; a revoked one stops working within the period."""
-
-    _verified: dict[str, tuple[float, object]] = {}
-    _lock = threading.Lock()
-
-    def authenticate(self, request):
-        parts = get_authorization_header(request).split()
-        if len(parts) != 2 or parts[0].lower() != self.keyword:
-            return super().authenticate(request)
-        key = parts[1]
-        now = time.monotonic()
-        with self._lock:
-            known = self._verified.get(key)
-        if known is not None and known[0] > now:
-            return known[1]
-        found = super().authenticate(request)
-        period = settings.KVSP_AUTH_CACHE_S
-        if found is not None and found[0].expires_ms is not None:
-            # A delegated token is never taken past its expiry.
-            period = min(period, found[0].expires_ms / 1000 - time.time())
-        if found is not None and period > 0:
-            with self._lock:
-                if len(self._verified) >= _MAX_VERIFIED:
-                    self._verified.clear()  # bounded memory under a flood of tokens
-                self._verified[key] = (now + period, found)
-        return found
-
-
-class HolderAuthentication(CachedBearerTokenAuthentication):
-    """What a holder's blocks and leases accept: a principal's own token, or a delegated token
-    (DESIGN.md section 6) whose audience is this holder (KVSP_PUBLIC_URL); every other route
-    of either role takes a principal's own token alone."""
-
-    def principal_for(self, token: str):
-        from kvsp.delegation import is_delegated
-
-        if is_delegated(token):
-            from index.delegation import principal_for_delegated_token
-
-            return principal_for_delegated_token(token, settings.KVSP_PUBLIC_URL)
-        return super().principal_for(token)
-
-
-# Tokens remembered by CachedBearerTokenAuthentication at most, per process.
-_MAX_VERIFIED = 10_000
-
-_HOLDER_AUTHENTICATION = HolderAuthentication()
-
-
-def holder_principal(request):
-    """The principal of a block request on the node server's own path (``workers.blockpath``),
-    checked as DRF checks a view with ``HolderAuthentication``, ``IsAuthenticated`` and
-    ``PrincipalRateThrottle``: the same exceptions (401, 429 for the failed-auth budget and for
-    the principal's rate), for ``problem_answer`` to answer alike. ``request`` needs only
-    ``META``."""
-    found = _HOLDER_AUTHENTICATION.authenticate(request)
-    principal = found[0] if found is not None else None
-    if not getattr(principal, "is_authenticated", False):
-        raise exceptions.NotAuthenticated()
-    wait = PrincipalRateThrottle.take(request, principal)
-    if wait:
-        raise exceptions.Throttled(max(wait, 0.001))
-    return principal
-
-
 # DRF exceptions map to our problem names by class; anything else by its status code.
 _PROBLEM_FOR_DRF = (
     (exceptions.NotAuthenticated, "kvsp-unauthenticated"),
@@ -313,20 +205,39 @@ def _flatten_validation_detail(detail, path: str = "") -> list[str]:
     return [f"{path}: {detail}" if path else str(detail)]
 
 
-def problem_response(
-    problem: str, detail: str, *, status_code: int | None = None, headers=None
-) -> Response:
-    document = problem_document(problem, detail, status=status_code)
-    return Response(
-        document, status=document["status"], content_type=PROBLEM_MEDIA_TYPE, headers=headers
-    )
+def require_object(value, what: str = "the body") -> dict:
+    """``value`` when it is a JSON object; else ``kvsp-malformed-request``: what every request
+    whose body (or item of a batch, ``what``) is an object refuses anything else with."""
+    if not isinstance(value, dict):
+        raise ProtocolError("kvsp-malformed-request", f"{what} must be a JSON object")
+    return value
+
+
+# The database refused a value the record rules admit (a number past what its column holds):
+# the request changed nothing, since the statement failed inside its transaction.
+OUT_OF_RANGE_DETAIL = "a value of the request is out of the range this implementation stores"
+_CONSTRAINT = (
+    "the request conflicts with what is stored (perhaps by a concurrent request); it changed "
+    "nothing"
+)
+# What an error is told when its own text may not leave the server, by status.
+_SAFE_DETAIL = {
+    400: "the request was refused as malformed",
+    401: "authentication required",
+    403: "not allowed",
+    404: "no such resource",
+    405: "method not allowed on this resource",
+    413: "the request body is too large",
+    500: "the server failed to handle the request",
+}
 
 
 def problem_for_exception(exc, where: str = "a view") -> tuple[str, str, int | None, dict]:
     """The problem details an exception is answered with: (problem, detail, status, headers).
 
-    What DRF's exception handler and the lean block path (``workers.api.views``) share, so that
-    both answer every error alike."""
+    The one mapping: DRF's exception handler, ``ProblemDetailsMiddleware`` (errors outside DRF
+    views) and the node's raw block paths (``workers.blockpath``, ``workers.serving``) all
+    answer with it, so that every path answers every error alike."""
     if isinstance(exc, ProtocolError):
         return exc.problem, exc.detail, exc.status, {}
     if isinstance(exc, (OperationalError, InterfaceError)):
@@ -340,13 +251,13 @@ def problem_for_exception(exc, where: str = "a view") -> tuple[str, str, int | N
         log.warning("a request tripped a database constraint: %s", exc)
         return "kvsp-conflict", _CONSTRAINT, None, {}
     if isinstance(exc, Http404):
-        return "kvsp-not-found", "no such resource", None, {}
+        return "kvsp-not-found", _SAFE_DETAIL[404], None, {}
     if isinstance(exc, RequestDataTooBig):
-        return "kvsp-payload-too-large", "the request body is too large", None, {}
+        return "kvsp-payload-too-large", _SAFE_DETAIL[413], None, {}
     if isinstance(exc, PermissionDenied):
-        return "kvsp-forbidden", "not allowed", None, {}
+        return "kvsp-forbidden", _SAFE_DETAIL[403], None, {}
     if isinstance(exc, SuspiciousOperation):
-        return "kvsp-malformed-request", "the request was refused as malformed", None, {}
+        return "kvsp-malformed-request", _SAFE_DETAIL[400], None, {}
     if isinstance(exc, exceptions.APIException):
         problem = next(
             (name for cls, name in _PROBLEM_FOR_DRF if isinstance(exc, cls)),
@@ -363,7 +274,7 @@ def problem_for_exception(exc, where: str = "a view") -> tuple[str, str, int | N
             headers["Retry-After"] = str(int(exc.wait))
         return problem, detail, exc.status_code, headers
     log.exception("uncaught error in %s", where)
-    return "kvsp-internal-error", "the server failed to handle the request", None, {}
+    return "kvsp-internal-error", _SAFE_DETAIL[500], None, {}
 
 
 def problem_exception_handler(exc, context):
@@ -372,14 +283,18 @@ def problem_exception_handler(exc, context):
     problem, detail, status_code, headers = problem_for_exception(
         exc, type(view).__name__ if view else "a view"
     )
-    return problem_response(problem, detail, status_code=status_code, headers=headers or None)
+    document = problem_document(problem, detail, status=status_code)
+    return Response(
+        document,
+        status=document["status"],
+        content_type=PROBLEM_MEDIA_TYPE,
+        headers=headers or None,
+    )
 
 
-def problem_answer(exc, where: str) -> tuple[int, list[tuple[str, str]], bytes]:
-    """``problem_exception_handler``'s answer to ``exc`` as a status, header fields and a body,
-    for code that answers without DRF (``problem_http_response_for``, and the node's server,
-    ``workers.blockpath``)."""
-    problem, detail, status_code, headers = problem_for_exception(exc, where)
+def _problem_fields(
+    problem: str, detail: str, status_code: int | None, headers: dict
+) -> tuple[int, list[tuple[str, str]], bytes]:
     document = problem_document(problem, detail, status=status_code)
     fields = {"content-type": ("Content-Type", PROBLEM_MEDIA_TYPE)}
     if document["status"] == status.HTTP_401_UNAUTHORIZED:
@@ -389,46 +304,23 @@ def problem_answer(exc, where: str) -> tuple[int, list[tuple[str, str]], bytes]:
     return document["status"], list(fields.values()), orjson.dumps(document)
 
 
-def problem_http_response_for(exc, where: str) -> HttpResponse:
-    """``problem_exception_handler`` for code outside DRF views: a plain Django response."""
-    status_code, fields, body = problem_answer(exc, where)
+def problem_answer(exc, where: str) -> tuple[int, list[tuple[str, str]], bytes]:
+    """The answer to ``exc`` (``problem_for_exception``) as a status, header fields and a body,
+    for code that answers without DRF: ``ProblemDetailsMiddleware``, and the node's server
+    (``workers.blockpath``, ``workers.serving``)."""
+    return _problem_fields(*problem_for_exception(exc, where))
+
+
+def _http_response(answer: tuple[int, list[tuple[str, str]], bytes]) -> HttpResponse:
+    status_code, fields, body = answer
     response = HttpResponse(body, status=status_code)
     for name, value in fields:
         response[name] = value
     return response
 
 
-def problem_http_response(problem: str, detail: str, status_code: int | None = None):
-    """A plain Django response with problem details, for code outside DRF views."""
-    document = problem_document(problem, detail, status=status_code)
-    response = HttpResponse(
-        orjson.dumps(document), status=document["status"], content_type=PROBLEM_MEDIA_TYPE
-    )
-    if document["status"] == status.HTTP_401_UNAUTHORIZED:
-        response["WWW-Authenticate"] = 'Bearer realm="kvsp"'
-    return response
-
-
 def is_api_path(path: str) -> bool:
     return path.startswith(API_PREFIXES)
-
-
-# The database refused a value the record rules admit (a number past what its column holds):
-# the request changed nothing, since the statement failed inside its transaction.
-OUT_OF_RANGE_DETAIL = "a value of the request is out of the range this implementation stores"
-_CONSTRAINT = (
-    "the request conflicts with what is stored (perhaps by a concurrent request); it changed "
-    "nothing"
-)
-_SAFE_DETAIL = {
-    400: "the request was refused as malformed",
-    401: "authentication required",
-    403: "not allowed",
-    404: "no such resource",
-    405: "method not allowed on this resource",
-    413: "the request body is too large",
-    500: "the server failed to handle the request",
-}
 
 
 class ProblemDetailsMiddleware:
@@ -449,28 +341,11 @@ class ProblemDetailsMiddleware:
             and response.get("Content-Type", "").split(";")[0].strip() != PROBLEM_MEDIA_TYPE
         ):
             code = response.status_code
-            return problem_http_response(
-                problem_for_status(code), _SAFE_DETAIL.get(code, "request failed"), code
-            )
+            detail = _SAFE_DETAIL.get(code, "request failed")
+            return _http_response(_problem_fields(problem_for_status(code), detail, code, {}))
         return response
 
     def process_exception(self, request, exception):
         if not is_api_path(request.path):
             return None
-        if isinstance(exception, ProtocolError):
-            return problem_http_response(exception.problem, exception.detail, exception.status)
-        if isinstance(exception, Http404):
-            return problem_http_response("kvsp-not-found", "no such resource")
-        if isinstance(exception, (OperationalError, InterfaceError)):
-            log.warning("database unavailable: %s", exception)
-            response = problem_http_response("kvsp-unavailable", "the database is unavailable")
-            response["Retry-After"] = "1"
-            return response
-        if isinstance(exception, DataError):
-            return problem_http_response("kvsp-invalid-record", OUT_OF_RANGE_DETAIL)
-        log.exception("uncaught error on %s", request.path)
-        return problem_http_response("kvsp-internal-error", _SAFE_DETAIL[500])
-
-
-# The OpenAPI description registers the bearer scheme when imported.
-import common.openapi  # noqa: E402, F401
+        return _http_response(problem_answer(exception, request.path))

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
 from kvsp import compat
 from kvsp.records import (
@@ -50,14 +49,6 @@ from kvsp.sharding import MAX_DEADLINE_MS
 
 JSON_TYPES = ("application/kvsp+json", "application/json")
 BLOCK_TYPE = "application/kvsp-block"
-
-
-class BearerTokenScheme(OpenApiAuthenticationExtension):
-    target_class = "common.api.BearerTokenAuthentication"
-    name = "bearer"
-
-    def get_security_definition(self, auto_schema):
-        return {"type": "http", "scheme": "bearer"}
 
 
 def _ref(name: str) -> dict:

@@ -67,6 +67,25 @@ def enqueue(task, *args, queue: str | None = None, **options) -> bool:
     return True
 
 
+def run_now_by_name(name: str, *args) -> None:
+    """Run the task registered as ``name`` in this process now; when it fails, ``enqueue`` it
+    for a worker to retry.
+
+    An app starts the task of an app above it this way (``placement`` that of ``sessions``,
+    which it may not import: DESIGN.md section 2). Call it once the work is recorded (on
+    commit): when the broker is down too, a housekeeping sweep finds the row, as with
+    ``enqueue``.
+    """
+    app = current_app
+    try:
+        if name not in app.tasks:  # its app's task module is not imported yet in this process
+            app.loader.import_default_modules()
+        app.tasks[name](*args)
+    except Exception:
+        log.warning("%s%r failed at once; its task retries", name, args, exc_info=True)
+        enqueue(app.signature(name), *args)
+
+
 def warm_publisher(queue: str) -> None:
     """Make a serving process ready to send tasks before its first request does.
 

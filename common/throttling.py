@@ -10,21 +10,21 @@ A request's principal is known only once its token is looked up, so a flood of g
 would each cost a database query and be answered 401 before any per-principal bucket is asked.
 ``FAILED_AUTHENTICATIONS`` counts the bearer tokens refused per client address instead: once an
 address has spent ``KVSP_AUTH_FAILURES_BURST`` failures (refilled at ``KVSP_AUTH_FAILURES_PER_S``),
-a token from it is answered 429 with ``Retry-After`` before it is looked up, unless this
-process has verified that very token before: a principal's own requests are never slowed by
+a token from it is answered 429 with ``Retry-After`` before it is looked up (token
+authentication asks this first: ``index.authentication``), unless this process has verified
+that very token before: a principal's own requests are never slowed by
 guesses sent from the same address (a shared NAT, a proxy).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
 from django.conf import settings
 from rest_framework.exceptions import Throttled
 from rest_framework.throttling import BaseThrottle
-
-from index.auth import hash_token
 
 _MAX_BUCKETS = 100_000
 # Tokens whose verification FAILED_AUTHENTICATIONS remembers at most, per process.
@@ -114,7 +114,8 @@ class PrincipalRateThrottle(BaseThrottle):
 
 class FailedAuthentications:
     """Refused bearer tokens counted per client address, and the tokens this process verified
-    (by their hash), which are never refused for their address's failures."""
+    (by their digest, never the secret itself), which are never refused for their address's
+    failures."""
 
     def __init__(self):
         self._failures = TokenBuckets()
@@ -128,7 +129,7 @@ class FailedAuthentications:
         if not rate:
             return
         wait = self._failures.wait(client_address(request), rate, self._burst())
-        if wait and hash_token(token) not in self._verified:
+        if wait and _digest(token) not in self._verified:
             raise Throttled(
                 wait,
                 "too many failed authentications from this address; retry later",
@@ -138,12 +139,12 @@ class FailedAuthentications:
         rate = settings.KVSP_AUTH_FAILURES_PER_S
         if token is not None:
             with self._lock:
-                self._verified.pop(hash_token(token), None)  # revoked since it was verified
+                self._verified.pop(_digest(token), None)  # revoked since it was verified
         if rate:
             self._failures.take(client_address(request), rate, self._burst())
 
     def verified(self, token: str) -> None:
-        digest = hash_token(token)
+        digest = _digest(token)
         if digest in self._verified:
             return
         with self._lock:
@@ -159,6 +160,10 @@ class FailedAuthentications:
     @staticmethod
     def _burst() -> int:
         return max(settings.KVSP_AUTH_FAILURES_BURST, 1)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
 
 
 FAILED_AUTHENTICATIONS = FailedAuthentications()

@@ -14,7 +14,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from index import services
-from index.auth import new_token
+from index.authentication import new_token
 from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
 from kvsp.hexids import is_hex
 from kvsp.numerals import parse_decimal

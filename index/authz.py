@@ -1,18 +1,42 @@
-"""Who may do what in the Index Service (spec 6.1, 6.2; DESIGN.md section 6).
+"""Who may publish what in the Index Service (spec 6.1; DESIGN.md section 6).
 
-A principal reads a scope it is granted (the controller reads every scope), publishes for the
-holder URLs it lists or for the URL of the instance it is bound to, and is told about another
-scope's data exactly what it would be told if the data did not exist.
+A principal publishes into a scope it is granted, for the holder URLs it lists or for the URL of
+the instance it is bound to, and is told about another scope's data exactly what it would be
+told if the data did not exist. Who reads a scope is ``common.permissions.may_read_scope``, the
+same rule on every app and on the node.
+
+Instances are the Placement Controller's: the index asks for an instance's URLs through
+``instance_urls``, which placement answers (it registers how when the apps load,
+``placement.apps``), so that the dependency points from placement to the index and never back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
+from common.permissions import has_scope_grant
 from kvsp.problems import ProtocolError
 from kvsp.records import holder_url_rule_broken
 
+# (instance name, URLs or None) -> the instance's URLs, among those URLs when given.
+InstanceUrls = Callable[[str, Collection[str] | None], set[str]]
 
-def may_read_scope(principal, scope_id: bytes) -> bool:
-    return principal.controller or bytes(scope_id) in principal.scope_ids
+_instance_urls: InstanceUrls | None = None
+
+
+def answer_instance_urls_with(resolver: InstanceUrls) -> None:
+    """Where ``instance_urls`` asks: placement's reading of its instances, set in its
+    ``AppConfig.ready``. Until one is set the index knows no instance, and a principal bound
+    to one publishes only for the holder URLs it lists."""
+    global _instance_urls
+    _instance_urls = resolver
+
+
+def instance_urls(instance: str, among: Collection[str] | None = None) -> set[str]:
+    """The URLs of the instance named ``instance`` (among ``among`` when given): one query."""
+    if _instance_urls is None:
+        return set()
+    return _instance_urls(instance, among)
 
 
 def may_publish_for(principal, holder_url: str) -> bool:
@@ -20,9 +44,7 @@ def may_publish_for(principal, holder_url: str) -> bool:
         return True
     if not principal.instance:
         return False
-    from placement.models import Instance
-
-    return Instance.objects.filter(name=principal.instance, url=holder_url).exists()
+    return holder_url in instance_urls(principal.instance, [holder_url])
 
 
 def publishable_holders(principal, holder_urls) -> frozenset[str]:
@@ -31,13 +53,7 @@ def publishable_holders(principal, holder_urls) -> frozenset[str]:
     wanted = set(holder_urls)
     allowed = wanted & set(principal.holder_urls)
     if principal.instance and wanted - allowed:
-        from placement.models import Instance
-
-        allowed |= set(
-            Instance.objects.filter(
-                name=principal.instance, url__in=sorted(wanted - allowed)
-            ).values_list("url", flat=True)
-        )
+        allowed |= instance_urls(principal.instance, sorted(wanted - allowed))
     return frozenset(allowed)
 
 
@@ -49,7 +65,7 @@ def _may_publish_for(principal, holder_url: str, publishable: frozenset[str] | N
 
 
 def check_may_publish(principal, record, publishable: frozenset[str] | None = None) -> None:
-    if record.scope_id_bytes not in principal.scope_ids:
+    if not has_scope_grant(principal, record.scope_id_bytes):
         raise ProtocolError("kvsp-forbidden", "not authorized for the record's scope")
     if not _may_publish_for(principal, record.holder, publishable):
         raise ProtocolError("kvsp-forbidden", f"not authorized to publish for {record.holder}")
@@ -58,7 +74,7 @@ def check_may_publish(principal, record, publishable: frozenset[str] | None = No
 def check_may_withdraw(
     principal, scope_id: bytes, holder_url: str, publishable: frozenset[str] | None = None
 ) -> None:
-    if bytes(scope_id) not in principal.scope_ids:
+    if not has_scope_grant(principal, scope_id):
         raise ProtocolError("kvsp-not-found", "no such replica")
     if not _may_publish_for(principal, holder_url, publishable):
         raise ProtocolError("kvsp-forbidden", f"not authorized to withdraw for {holder_url}")

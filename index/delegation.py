@@ -1,7 +1,7 @@
 """Delegated tokens (DESIGN.md section 6): the control plane issues them (``POST CP tokens``)
 and answers introspection (``POST CP tokens/introspect``); a holder of this project, which
 shares the database and KVSP_MASTER_KEY with the control plane, verifies them itself
-(``principal_for_delegated_token``).
+(``index.authentication.principal_for_delegated_token``).
 
 A token carries one scope, one audience and an expiry (``kvsp.delegation``). It is worth
 something only while the principal it was issued to is not revoked and still reads the scope:
@@ -16,15 +16,14 @@ signature, expiry or principal does not hold.
 
 from __future__ import annotations
 
-import functools
 import os
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.db import connection
 
-from index.auth import AuthenticatedPrincipal
-from index.authz import may_read_scope
+from common.permissions import may_read_scope
+from index import authz
+from index.authentication import now_ms, signing_key, verified_delegated_token
 from index.models import Scope
 from kvsp import delegation
 from kvsp.delegation import DelegatedClaims, normal_audience
@@ -33,19 +32,6 @@ from kvsp.records import TokenGrant, TokenIntrospection, TokenRequest
 
 # What a request for a scope the principal may not read is told: the same as for none at all.
 NO_SUCH_SCOPE = "no such scope"
-
-
-@functools.lru_cache(maxsize=4)
-def _signing_key(master_key: bytes) -> bytes:
-    return delegation.signing_key(master_key)
-
-
-def signing_key() -> bytes:
-    return _signing_key(settings.KVSP_MASTER_KEY)
-
-
-def now_ms() -> int:
-    return int(datetime.now(UTC).timestamp() * 1000)
 
 
 def signed_token(claims: DelegatedClaims) -> str:
@@ -74,51 +60,6 @@ def do_issue_token(principal, request: TokenRequest) -> TokenGrant:
     )
 
 
-# The principal behind a token, if it is not revoked and still reads the token's scope (the
-# controller reads every scope there is).
-_PRINCIPAL_OF_SCOPE = (
-    "SELECT p.name FROM index_principal p "
-    "WHERE p.id = %s AND p.revoked_at IS NULL AND EXISTS ("
-    "  SELECT 1 FROM index_scope s WHERE s.scope_id = %s AND (p.controller OR EXISTS ("
-    "    SELECT 1 FROM index_principal_scopes ps"
-    "    WHERE ps.principal_id = p.id AND ps.scope_id = s.id)))"
-)
-
-
-def _verified(token: str) -> tuple[DelegatedClaims, str] | None:
-    """The claims of a valid, unexpired delegated token and its principal's name, or None."""
-    claims = delegation.read(signing_key(), token)
-    if claims is None or claims.expired(now_ms()):
-        return None
-    with connection.cursor() as cursor:
-        cursor.execute(_PRINCIPAL_OF_SCOPE, [claims.principal_id, claims.scope_id])
-        row = cursor.fetchone()
-    return None if row is None else (claims, row[0])
-
-
-def principal_for_delegated_token(token: str, holder_url: str) -> AuthenticatedPrincipal | None:
-    """What a delegated token lets its bearer do at the holder ``holder_url`` (this node's
-    KVSP_PUBLIC_URL): read and lease, and store, blocks of its one scope; None when the token
-    is not valid, has expired, is meant for another holder, or its principal may no longer."""
-    if not holder_url:
-        return None
-    verified = _verified(token)
-    if verified is None:
-        return None
-    claims, name = verified
-    if claims.audience != normal_audience(holder_url):
-        return None
-    return AuthenticatedPrincipal(
-        id=claims.principal_id,
-        name=name,
-        holder_urls=(),
-        instance="",
-        controller=False,
-        scope_ids=frozenset([claims.scope_id]),
-        expires_ms=claims.expires_ms,
-    )
-
-
 def may_introspect(principal) -> bool:
     return bool(principal.controller or principal.holder_urls or principal.instance)
 
@@ -126,9 +67,7 @@ def may_introspect(principal) -> bool:
 def _own_audiences(principal) -> set[str]:
     urls = set(principal.holder_urls)
     if principal.instance:
-        from placement.models import Instance
-
-        urls |= set(Instance.objects.filter(name=principal.instance).values_list("url", flat=True))
+        urls |= authz.instance_urls(principal.instance)
     return {normal_audience(url) for url in urls}
 
 
@@ -139,7 +78,7 @@ def introspect(principal, token: str) -> TokenIntrospection:
         raise ProtocolError(
             "kvsp-forbidden", "only holders and the Placement Controller may introspect tokens"
         )
-    verified = _verified(token)
+    verified = verified_delegated_token(token)
     if verified is None:
         return TokenIntrospection(active=False)
     claims, _ = verified

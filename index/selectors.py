@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import NamedTuple
 
@@ -17,7 +18,8 @@ from django.db import connection
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from index import authz, metrics
+from common.permissions import may_read_scope
+from index import metrics
 from index.models import CompatDescriptor, Holder, LookupBucket, Replica, Scope, Tier
 from kvsp.records import LookupRequest
 
@@ -104,7 +106,7 @@ def replica_rows_by_key(
     """The unexpired replicas of each key, for a principal; a scope it may not read yields
     nothing, exactly like a scope with no replicas, and without touching the rows.
     """
-    if not authz.may_read_scope(principal, scope_id):
+    if not may_read_scope(principal, scope_id):
         return {}
     now = now or timezone.now()
     compat_hex, scope_hex = compat_id.hex(), scope_id.hex()
@@ -138,7 +140,7 @@ def replica_rows_by_key(
 
 class ReplicaGroup(NamedTuple):
     """The looked-up keys (by position) of which one holder has replicas of one shape: what the
-    cost model reads of them (placement.pricing.BlockTable)."""
+    cost model reads of them (kvsp.pricing.BlockTable)."""
 
     holder: str
     size: int
@@ -164,7 +166,7 @@ def replica_groups(
     ``replica_rows_by_key`` judges it). Placement prices a prompt from these: on Postgres a
     handful of rows, not one per replica, and none of the digests it does not read.
     """
-    if not authz.may_read_scope(principal, scope_id):
+    if not may_read_scope(principal, scope_id):
         return []
     now = now or timezone.now()
     if connection.vendor != "postgresql":
@@ -209,10 +211,15 @@ def matched_prefix(keys: list[bytes], found: dict[bytes, list]) -> int:
     return len(keys)
 
 
-def lookup(principal, request: LookupRequest, *, now=None) -> dict:
-    """The answer to ``POST lookup`` (spec 6.2, DESIGN.md section 3)."""
-    from placement.selectors import lookup_estimates
+# (targets, compat_id, the matched keys' replicas in order, now=) -> (estimates, unpriced): the
+# fetch and recompute estimates of 6.4 per target, and the targets that could not be priced.
+PriceTargets = Callable[..., tuple[list[dict], list[dict]]]
 
+
+def lookup(principal, request: LookupRequest, *, estimate: PriceTargets, now=None) -> dict:
+    """The answer to ``POST lookup`` (spec 6.2, DESIGN.md section 3), its estimates per target
+    made by ``estimate``: the Placement Controller's cost model, which its caller passes in
+    (``placement.api.views.LookupView``)."""
     now = now or timezone.now()
     compat_id, scope_id = bytes.fromhex(request.compat_id), bytes.fromhex(request.scope_id)
     keys = list(map(bytes.fromhex, request.block_keys))
@@ -227,7 +234,7 @@ def lookup(principal, request: LookupRequest, *, now=None) -> dict:
         ],
     }
     if request.targets is not None:
-        answer["estimates"], answer["unpriced"] = lookup_estimates(
+        answer["estimates"], answer["unpriced"] = estimate(
             request.targets, compat_id, [found[key] for key in keys[:matched]], now=now
         )
     return answer
@@ -239,7 +246,7 @@ def descriptor(compat_id: bytes) -> CompatDescriptor | None:
 
 def scope_for(principal, scope_id: bytes) -> Scope | None:
     """The scope, if the principal may read it; otherwise None, as if it did not exist."""
-    if not authz.may_read_scope(principal, scope_id):
+    if not may_read_scope(principal, scope_id):
         return None
     return Scope.objects.filter(scope_id=scope_id).first()
 

@@ -16,9 +16,9 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from common.api import OUT_OF_RANGE_DETAIL
+from common.api import OUT_OF_RANGE_DETAIL, require_object
 from index import authz
-from index.auth import new_token
+from index.authentication import new_token
 from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
 from index.scopekeys import seal_scope_key
 from kvsp import blockkeys, compat, hexids
@@ -329,9 +329,7 @@ def _judge_all(principal, items: list, decode, authorize) -> list:
 def _decode_record(item: object) -> ReplicaRecord:
     if isinstance(item, ReplicaRecord):
         return item  # decoded with its batch (ReplicaRecord.batch_from_body)
-    if not isinstance(item, dict):
-        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
-    return ReplicaRecord.from_json(item)
+    return ReplicaRecord.from_json(require_object(item))
 
 
 def _authorize_record(principal, record: ReplicaRecord, publishable: frozenset[str]) -> None:
@@ -438,8 +436,7 @@ class _Withdrawal(NamedTuple):
 
 
 def _withdrawal_identity(item: object) -> _Withdrawal:
-    if not isinstance(item, dict):
-        raise ProtocolError("kvsp-malformed-request", "a withdrawal must be a JSON object")
+    require_object(item, "a withdrawal")
     ids = []
     for member, octets in (("compat_id", 32), ("scope_id", 16), ("block_key", 32)):
         value = item.get(member)

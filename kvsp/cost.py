@@ -1,5 +1,8 @@
 """The placement cost model of spec 6.4, and the lookup estimates of 6.2 (DESIGN.md section 3).
 
+This is the reference, one instance block by block; ``kvsp.pricing`` prices a whole fleet at
+once with the same figures.
+
     fetch_us(i)     = max over sources s of ( rtt_us(i,s) + 8 * bytes_from(s) / mbit_per_s(i,s) )
                       for blocks not already resident at i
     recompute_us(i) = 1e6 * tokens / prefill_tokens_per_s(i)
@@ -183,8 +186,10 @@ def plan_fetch(
 class CostBreakdown:
     """The terms of the 6.4 cost of one candidate instance.
 
-    ``matched`` is the number of leading blocks priced as loaded (resident or fetchable);
-    ``fetch`` says where each of the non-resident ones would come from.
+    ``matched`` is the number of leading blocks priced as loaded (resident or fetchable).
+    ``plan`` says which of them are resident and where each of the others would come from:
+    ``price_instance`` gives it; the fleet's pricing (``kvsp.pricing.price_all``) leaves it out
+    (None) and works the sources out for the chosen instance alone.
     """
 
     instance: str
@@ -194,9 +199,7 @@ class CostBreakdown:
     recompute_unmatched_us: float
     recompute_all_us: float
     cost_us: float
-    resident: tuple[str, ...]
-    fetch: tuple[BlockSources, ...]
-    bytes_from: tuple[tuple[str, int], ...]
+    plan: FetchPlan | None = None
 
     @property
     def uses_cache(self) -> bool:
@@ -204,6 +207,26 @@ class CostBreakdown:
         return self.matched > 0 and (
             self.fetch_us + self.recompute_unmatched_us < self.recompute_all_us
         )
+
+    def _known_plan(self) -> FetchPlan:
+        if self.plan is None:
+            raise ValueError(f"{self.instance} was priced without its fetch plan")
+        return self.plan
+
+    @property
+    def resident(self) -> tuple[str, ...]:
+        """The matched blocks already resident at the instance, in prefix order."""
+        return self._known_plan().resident
+
+    @property
+    def fetch(self) -> tuple[BlockSources, ...]:
+        """The other matched blocks, each with where it would come from."""
+        return self._known_plan().fetched
+
+    @property
+    def bytes_from(self) -> tuple[tuple[str, int], ...]:
+        """Octets each source would send."""
+        return self._known_plan().bytes_from
 
     def directive_blocks(self) -> tuple[DirectiveBlock, ...]:
         """The blocks of a prefetch directive (6.5) for this candidate: those to fetch."""
@@ -253,9 +276,7 @@ def price_instance(
         recompute_unmatched_us=unmatched,
         recompute_all_us=everything,
         cost_us=waiting + min(plan.fetch_us + unmatched, everything),
-        resident=plan.resident,
-        fetch=plan.fetched,
-        bytes_from=plan.bytes_from,
+        plan=plan,
     )
 
 

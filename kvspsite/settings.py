@@ -458,7 +458,7 @@ REST_FRAMEWORK = {
         "common.api.PlainJSONRenderer",
     ],
     "DEFAULT_PARSER_CLASSES": ["common.api.KvspJSONParser", "common.api.PlainJSONParser"],
-    "DEFAULT_AUTHENTICATION_CLASSES": ["common.api.BearerTokenAuthentication"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["index.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "EXCEPTION_HANDLER": "common.api.problem_exception_handler",
     "DEFAULT_THROTTLE_CLASSES": ["common.throttling.PrincipalRateThrottle"],

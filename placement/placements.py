@@ -1,9 +1,10 @@
 """Placement of one request (spec 6.4) and the prefetch directive that follows it (6.5).
 
 ``do_place`` computes the prompt's Block Keys with the scope key, looks the keys up in the
-index, prices every active instance that serves the Compatibility ID with the 6.4 cost model,
-and picks the cheapest acceptable one. When none is acceptable and one is sleeping, it wakes
-that one and sends it the directive at once, so that loading overlaps the wake-up.
+index and prices every active instance that serves the Compatibility ID with the 6.4 cost model
+(``placement.pricing.price_prefix``, which failover uses too), and picks the cheapest acceptable
+one. When none is acceptable and one is sleeping, it wakes that one and sends it the directive
+at once, so that loading overlaps the wake-up.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from django.db import transaction
 from django.db.models import Subquery
 from django.utils import timezone
 
-from index import authz, metrics
-from index import selectors as index_selectors
+from common.permissions import may_read_scope
+from index import metrics
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
+from kvsp.cost import CostBreakdown
 from kvsp.problems import ProtocolError
 from kvsp.records import PlacementRequest
 from placement import delivery, policy, pricing, services
 from placement.models import Directive, InstanceState
-from placement.selectors import candidates, matched_block_table
+from placement.selectors import candidates
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Timer:
         self._last = now
 
 
-def _candidate_json(instance, price: pricing.Price) -> dict:
+def _candidate_json(instance, price: CostBreakdown) -> dict:
     return {"name": instance.name, "state": instance.state, **price.to_json()}
 
 
@@ -61,7 +63,7 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
         .annotate(block_tokens=Subquery(descriptor[:1]))
         .first()
     )
-    if scope is None or not authz.may_read_scope(principal, scope_id):
+    if scope is None or not may_read_scope(principal, scope_id):
         raise ProtocolError("kvsp-not-found", "no such scope")
     if scope.block_tokens is None:
         raise ProtocolError(
@@ -77,22 +79,25 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
     )
     timer.lap("keys")
 
-    groups = index_selectors.replica_groups(principal, compat_id, scope_id, keys, now=now)
-    matched = index_selectors.matched_prefix_of_groups(len(keys), groups)
-    metrics.observe_lookup("placement", len(keys), matched)
-    blocks = matched_block_table(keys, groups, matched)
-    timer.lap("lookup")
-
-    prompt_tokens = len(request.tokens)
-    terms = {"block_tokens": block_tokens, "prompt_tokens": prompt_tokens}
-    priced = pricing.price_candidates(candidates(request.compat_id, now=now), blocks, **terms)
-    chosen = pricing.cheapest([e for e in priced if policy.acceptable(e[1], e[2])])
+    prefix = pricing.price_prefix(
+        principal,
+        compat_id,
+        scope_id,
+        keys,
+        block_tokens=block_tokens,
+        prompt_tokens=len(request.tokens),
+        now=now,
+        lap=timer.lap,
+    )
+    metrics.observe_lookup("placement", len(keys), len(prefix.blocks))
+    priced = prefix.priced
+    chosen = pricing.cheapest([e for e in priced if policy.acceptable(e.status, e.price)])
     woke = False
     if chosen is None:
         sleeping = candidates(request.compat_id, states=(InstanceState.SLEEPING,), now=now)
-        wake = pricing.cheapest(pricing.price_candidates(sleeping, blocks, **terms))
+        wake = pricing.cheapest(prefix.price(sleeping))
         if wake is not None:
-            services.do_change_state(wake[0].name, InstanceState.ACTIVE, now=now)
+            services.do_change_state(wake.instance.name, InstanceState.ACTIVE, now=now)
             chosen, woke = wake, True
         else:
             # Nobody has acceptable capacity and nobody sleeps: the least bad active one.
@@ -103,10 +108,10 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
             "kvsp-unavailable", "no active or sleeping instance serves this Compatibility ID"
         )
 
-    instance, status, price = chosen
+    instance, _, price = chosen
     directive = None
     if price.uses_cache or woke:
-        positions, sources, source_of = pricing.directive_sources(status, blocks)
+        positions, sources, source_of = prefix.directive_sources(chosen)
         if len(positions):
             packed = Directive.pack(
                 b"".join(map(keys.__getitem__, positions.tolist())), sources, source_of

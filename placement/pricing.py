@@ -1,248 +1,47 @@
-"""The 6.4 cost of many candidate instances at once.
+"""Pricing a prompt's prefix (spec 6.4), for placement and for the failover of sessions.
 
-``kvsp.cost.price_instance`` is the reference: it prices one instance, block by block. Placing a
-long prompt over a fleet multiplies that by every instance (2,048 blocks x 100 instances is some
-200,000 greedy decisions), so the matched blocks become one table of holder columns and replica
-shapes (``BlockTable``), the fleet's links another (``LinkTable``), and ``placement.fetchplan``
-walks them compiled. It performs the same floating-point operations in the same order, with the
-same tie-breaking (the lower holder URL), so its figures equal the reference's exactly, and so
-do the sources of the chosen instance's directive; tests/placement/test_pricing.py holds both to
-that.
+``price_prefix`` is the one way both choose an instance: it looks the prefix's Block Keys up in
+the index (the leading keys with an unexpired replica, as ``kvsp.pricing.BlockTable``) and
+prices every active instance that serves the Compatibility ID with the 6.4 cost model of
+``kvsp.pricing``, which equals the reference of ``kvsp.cost`` exactly. Placement prices sleeping
+instances on the same prefix when no active one will do (``PricedPrefix.price``). Both ask
+where the chosen instance would load each block from: placement for its prefetch directive
+(``PricedPrefix.directive_sources``), failover for its resume (``PricedPrefix.block_sources``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from datetime import datetime
+from typing import NamedTuple
 
 import numpy as np
 from django.conf import settings
 
-from kvsp import cost
-from kvsp.records import InstanceStatusRecord
-from placement import fetchplan
+from index import selectors as index_selectors
+from kvsp import cost, pricing
+from placement.selectors import Candidate, LiveStatus, candidates, matched_block_table
 
 
-@dataclass(frozen=True, slots=True)
-class Price:
-    """The terms of one candidate's cost, as ``kvsp.cost.CostBreakdown`` has them."""
+class PricedCandidate(NamedTuple):
+    """A candidate instance, its live status and its 6.4 cost (without the fetch plan)."""
 
-    instance: str
-    matched: int
-    wait_us: float
-    fetch_us: float
-    recompute_unmatched_us: float
-    recompute_all_us: float
-    cost_us: float
-
-    @property
-    def uses_cache(self) -> bool:
-        return self.matched > 0 and (
-            self.fetch_us + self.recompute_unmatched_us < self.recompute_all_us
-        )
-
-    def to_json(self) -> dict:
-        return {
-            "instance": self.instance,
-            "wait_us": self.wait_us,
-            "fetch_us": self.fetch_us,
-            "recompute_unmatched_us": self.recompute_unmatched_us,
-            "recompute_all_us": self.recompute_all_us,
-            "cost_us": self.cost_us,
-        }
+    instance: Candidate
+    status: LiveStatus
+    price: cost.CostBreakdown
 
 
-@dataclass(frozen=True, slots=True)
-class BlockTable:
-    """Matched blocks (in prefix order) as ``placement.fetchplan`` reads them: which holder
-    column has a replica of which block, in which of a few replica shapes (size and residency).
-    """
-
-    block_keys: tuple[str, ...]
-    holders: tuple[str, ...]  # sorted: a lower column is a lower URL, the reference's tie-break
-    shape_of: np.ndarray  # (blocks, holders) int32, -1 where the holder has no replica
-    shape_size: np.ndarray  # (shapes,) int64
-    shape_layers: np.ndarray  # (shapes, entries) int64 layer counts, 0 past the last entry
-    shape_read: np.ndarray  # (shapes, entries) float64 read rates, 0.0 where none is given
-
-    def __len__(self) -> int:
-        return len(self.block_keys)
-
-    @classmethod
-    def build(cls, block_keys, holders, placed, shapes) -> BlockTable:
-        """``placed``: (holder, shape index, block positions) triples; ``shapes``: (size,
-        residency) pairs, residency a sequence of ``ResidencyEntry``."""
-        column = {holder: h for h, holder in enumerate(holders)}
-        shape_of = np.full((len(block_keys), len(holders)), -1, dtype=np.int32)
-        for holder, shape, positions in placed:
-            shape_of[positions, column[holder]] = shape
-        entries = max((len(residency) for _, residency in shapes), default=0)
-        shape_size = np.zeros(len(shapes), dtype=np.int64)
-        shape_layers = np.zeros((len(shapes), max(entries, 1)), dtype=np.int64)
-        shape_read = np.zeros((len(shapes), max(entries, 1)))
-        for s, (size, residency) in enumerate(shapes):
-            shape_size[s] = size
-            for e, entry in enumerate(residency):
-                shape_layers[s, e] = entry.layer_count
-                shape_read[s, e] = entry.read_mbit_per_s or 0.0
-        return cls(
-            tuple(block_keys), tuple(holders), shape_of, shape_size, shape_layers, shape_read
-        )
-
-    @classmethod
-    def from_matched_blocks(cls, blocks: Sequence[cost.MatchedBlock]) -> BlockTable:
-        holders = sorted({replica.holder for block in blocks for replica in block.replicas})
-        shape_index: dict[tuple, int] = {}
-        shapes, placed = [], []
-        for b, block in enumerate(blocks):
-            for replica in block.replicas:
-                shape = (replica.size, tuple(replica.residency))
-                s = shape_index.setdefault(shape, len(shapes))
-                if s == len(shapes):
-                    shapes.append(shape)
-                placed.append((replica.holder, s, [b]))
-        return cls.build([block.block_key for block in blocks], holders, placed, shapes)
-
-
-@dataclass(frozen=True, slots=True)
-class LinkTable:
-    """Every instance's links to the holder columns of a ``BlockTable``."""
-
-    rate: np.ndarray
-    rtt: np.ndarray
-    usable: np.ndarray
-    own_column: np.ndarray
-
-    @classmethod
-    def build(cls, statuses: Sequence[InstanceStatusRecord], holders: Sequence[str]) -> LinkTable:
-        column = {holder: h for h, holder in enumerate(holders)}
-        shape = (len(statuses), len(holders))
-        rate, rtt, usable = np.ones(shape), np.zeros(shape), np.zeros(shape, dtype=bool)
-        own_column = np.full(len(statuses), -1, dtype=np.int64)
-        for i, status in enumerate(statuses):
-            own_column[i] = column.get(status.instance, -1)
-            for link in status.links:  # as the reference's dict of links: the last one wins
-                h = column.get(link.holder)
-                if h is not None and link.holder != status.instance:
-                    rate[i, h], rtt[i, h], usable[i, h] = link.mbit_per_s, link.rtt_us, True
-        return cls(rate, rtt, usable, own_column)
-
-
-def _as_table(blocks) -> BlockTable:
-    return blocks if isinstance(blocks, BlockTable) else BlockTable.from_matched_blocks(blocks)
-
-
-def _arrays(table: BlockTable, links: LinkTable) -> tuple:
-    return (
-        table.shape_of,
-        table.shape_size,
-        table.shape_layers,
-        table.shape_read,
-        links.rate,
-        links.rtt,
-        links.usable,
-        links.own_column,
-    )
-
-
-def fetch_plans(
-    statuses: Sequence[InstanceStatusRecord], blocks: BlockTable | Sequence[cost.MatchedBlock]
-) -> tuple[np.ndarray, np.ndarray]:
-    """For each instance, the loadable prefix length and fetch_us of ``kvsp.cost.plan_fetch``."""
-    table = _as_table(blocks)
-    if not table.holders:  # no block has a replica: nothing is loadable anywhere
-        return np.zeros(len(statuses), dtype=np.int64), np.zeros(len(statuses))
-    return fetchplan.plan_fleet(*_arrays(table, LinkTable.build(statuses, table.holders)))
-
-
-def directive_sources(
-    status: InstanceStatusRecord, blocks: BlockTable
-) -> tuple[np.ndarray, list[list[str]], np.ndarray]:
-    """The blocks of a prefetch directive (6.5) for one instance: each block of its loadable
-    prefix that is not resident there, with its usable sources by finish time (the ``fetch`` of
-    ``kvsp.cost.price_instance``). As arrays: the blocks' positions in ``blocks``, the distinct
-    lists of sources (holder URLs the IS validated), and which of them is each block's.
-    """
-    if not blocks.holders:
-        return np.zeros(0, dtype=np.int64), [], np.zeros(0, dtype=np.int64)
-    loadable, ranked = fetchplan.plan_sources(
-        0, *_arrays(blocks, LinkTable.build([status], blocks.holders))
-    )
-    ranked = ranked[:loadable]
-    positions = np.flatnonzero(ranked[:, 0] >= 0)  # the others are resident
-    if not len(positions):
-        return positions, [], np.zeros(0, dtype=np.int64)
-    rows, source_of = _distinct_rows(ranked[positions])
-    sources = [[blocks.holders[h] for h in row if h >= 0] for row in rows]
-    return positions, sources, source_of
-
-
-def _distinct_rows(ranked: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
-    """The distinct rows of ``ranked`` (columns from -1 up) in the order they first appear, and
-    the position among them of each row."""
-    columns = ranked.shape[1]
-    if (columns + 1) ** columns >= 2**62:  # more holders than one int64 code per row holds
-        found: dict[tuple, int] = {}
-        source_of = [found.setdefault(row, len(found)) for row in map(tuple, ranked.tolist())]
-        return [list(row) for row in found], np.asarray(source_of, dtype=np.int64)
-    # Each row as one number in base columns + 1, so that numpy finds the distinct ones.
-    codes = (ranked.astype(np.int64) + 1) @ ((columns + 1) ** np.arange(columns, dtype=np.int64))
-    _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
-    order = np.argsort(first)
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    return ranked[first[order]].tolist(), rank[inverse.reshape(-1)]
-
-
-def directive_blocks(status: InstanceStatusRecord, blocks: BlockTable) -> list[dict]:
-    """``directive_sources`` as the directive's JSON "blocks" (6.5)."""
-    positions, sources, source_of = directive_sources(status, blocks)
-    return [
-        {"block_key": blocks.block_keys[p], "sources": sources[s]}
-        for p, s in zip(positions.tolist(), source_of.tolist(), strict=True)
-    ]
-
-
-def price_all(
-    statuses: Sequence[InstanceStatusRecord],
-    blocks: BlockTable | Sequence[cost.MatchedBlock],
+def price_candidates(
+    entries: Iterable[tuple[Candidate, LiveStatus]],
+    blocks: pricing.BlockTable,
     *,
     block_tokens: int,
     prompt_tokens: int,
-    mean_output_tokens: int,
-) -> list[Price]:
-    """The 6.4 cost of each instance, equal to ``kvsp.cost.price_instance`` for each."""
-    if not statuses:
-        return []
-    loadable, fetch_us = fetch_plans(statuses, blocks)
-    prices = []
-    for i, status in enumerate(statuses):
-        rate = status.prefill_tokens_per_s
-        matched = int(loadable[i])
-        unmatched = cost.recompute_us(prompt_tokens - matched * block_tokens, rate)
-        everything = cost.recompute_us(prompt_tokens, rate)
-        waiting = cost.wait_us(
-            status.queued, cost.mean_service_time_us(status, prompt_tokens, mean_output_tokens)
-        )
-        fetching = float(fetch_us[i])
-        prices.append(
-            Price(
-                instance=status.instance,
-                matched=matched,
-                wait_us=waiting,
-                fetch_us=fetching,
-                recompute_unmatched_us=unmatched,
-                recompute_all_us=everything,
-                cost_us=waiting + min(fetching + unmatched, everything),
-            )
-        )
-    return prices
-
-
-def price_candidates(entries, blocks, *, block_tokens: int, prompt_tokens: int) -> list[tuple]:
-    """``(instance, status, Price)`` for each ``(instance, status)`` entry."""
+) -> list[PricedCandidate]:
+    """Each ``(instance, status)`` entry with its cost of serving the prompt."""
     entries = list(entries)
-    prices = price_all(
+    prices = pricing.price_all(
         [status for _, status in entries],
         blocks,
         block_tokens=block_tokens,
@@ -250,23 +49,81 @@ def price_candidates(entries, blocks, *, block_tokens: int, prompt_tokens: int) 
         mean_output_tokens=settings.KVSP_MEAN_OUTPUT_TOKENS,
     )
     return [
-        (instance, status, price) for (instance, status), price in zip(entries, prices, strict=True)
+        PricedCandidate(instance, status, price)
+        for (instance, status), price in zip(entries, prices, strict=True)
     ]
 
 
-def cheapest(priced: list[tuple]) -> tuple | None:
-    """The entry with the lowest cost; ties go to the lower instance URL (deterministic)."""
-    return min(priced, key=lambda entry: (entry[2].cost_us, entry[0].url), default=None)
+def cheapest(priced: Iterable[PricedCandidate]) -> PricedCandidate | None:
+    """The entry with the lowest cost; ties go to the lower instance URL (deterministic), as
+    ``kvsp.cost.cheapest`` has it."""
+    return min(priced, key=lambda entry: (entry.price.cost_us, entry.instance.url), default=None)
 
 
-def breakdown(status, blocks, *, block_tokens: int, prompt_tokens: int) -> cost.CostBreakdown:
-    """The reference breakdown of one instance, with the sources of each block to fetch."""
-    return cost.price_instance(
-        status,
-        blocks,
-        block_tokens=block_tokens,
-        prompt_tokens=prompt_tokens,
-        mean_service_time_us=cost.mean_service_time_us(
-            status, prompt_tokens, settings.KVSP_MEAN_OUTPUT_TOKENS
-        ),
+@dataclass(frozen=True)
+class PricedPrefix:
+    """A prompt's matched prefix and the cost of each candidate instance to serve the prompt."""
+
+    blocks: pricing.BlockTable
+    block_tokens: int
+    prompt_tokens: int
+    priced: list[PricedCandidate]
+
+    def price(self, entries: Iterable[tuple[Candidate, LiveStatus]]) -> list[PricedCandidate]:
+        """Other candidates (``placement.selectors.candidates``) priced on the same prefix."""
+        return price_candidates(
+            entries, self.blocks, block_tokens=self.block_tokens, prompt_tokens=self.prompt_tokens
+        )
+
+    def directive_sources(self, chosen: PricedCandidate) -> tuple[np.ndarray, list, np.ndarray]:
+        """The blocks of the chosen candidate's prefetch directive (6.5), as arrays
+        (``kvsp.pricing.directive_sources``)."""
+        return pricing.directive_sources(chosen.status, self.blocks)
+
+    def block_sources(
+        self, chosen: PricedCandidate
+    ) -> tuple[tuple[str, ...], tuple[cost.BlockSources, ...]]:
+        """The chosen candidate's loadable prefix: the blocks resident there, and each other
+        one with its usable sources, the cheapest first (``kvsp.pricing.block_sources``)."""
+        return pricing.block_sources(chosen.status, self.blocks)
+
+
+def price_prefix(
+    principal,
+    compat_id: bytes,
+    scope_id: bytes,
+    keys: list[bytes],
+    *,
+    block_tokens: int,
+    prompt_tokens: int,
+    now: datetime,
+    exclude_holders: Collection[str] = (),
+    exclude_instances: Collection[int] = (),
+    lap: Callable[[str], None] | None = None,
+) -> PricedPrefix:
+    """Look ``keys`` (a prompt's Block Keys, in prefix order) up for ``principal`` and price
+    every active instance that serves ``compat_id``, but those of ``exclude_instances`` (ids),
+    for a prompt of ``prompt_tokens`` tokens.
+
+    Replicas at ``exclude_holders`` (URLs) are no source. ``lap`` is called with "lookup" once
+    the prefix is matched, so that a caller can tell the lookup's time from the pricing's.
+    """
+    groups = index_selectors.replica_groups(principal, compat_id, scope_id, keys, now=now)
+    if exclude_holders:
+        groups = [group for group in groups if group.holder not in exclude_holders]
+    matched = index_selectors.matched_prefix_of_groups(len(keys), groups)
+    blocks = matched_block_table(keys, groups, matched)
+    if lap is not None:
+        lap("lookup")
+    # Never fewer tokens than the matched blocks cover: the cost model counts them as a prefix
+    # of the prompt (a session's count comes from its checkpoint, not from its keys).
+    prompt_tokens = max(prompt_tokens, matched * block_tokens)
+    entries = [
+        entry
+        for entry in candidates(compat_id.hex(), now=now)
+        if entry[0].pk not in exclude_instances
+    ]
+    priced = price_candidates(
+        entries, blocks, block_tokens=block_tokens, prompt_tokens=prompt_tokens
     )
+    return PricedPrefix(blocks, block_tokens, prompt_tokens, priced)

@@ -32,6 +32,7 @@ import httpx
 from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
+from common.api import require_object
 from common.peers import PeerUnreachable, call, peer_client
 from common.tasks import enqueue
 from index.models import CompatDescriptor
@@ -235,9 +236,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
     The body may carry a ``context`` for version v+1 that extends the map's (the same context
     with more complete blocks); without one, v+1 has the map's context.
     """
-    if not isinstance(body, dict):
-        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
-    deadline_ms = body.get("deadline_ms")
+    deadline_ms = require_object(body).get("deadline_ms")
     if type(deadline_ms) is not int or not 1 <= deadline_ms <= sharding.MAX_DEADLINE_MS:
         raise ProtocolError(
             "kvsp-invalid-record", f"deadline_ms: an integer from 1 to {sharding.MAX_DEADLINE_MS}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import defaultdict
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
@@ -16,11 +17,10 @@ from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
-from index.authz import may_read_scope
+from common.permissions import may_read_scope
 from index.models import CompatDescriptor
-from kvsp import cost
+from kvsp import cost, pricing
 from kvsp.records import InstanceStatusRecord, ResidencyEntry
-from placement import pricing
 from placement.models import (
     Directive,
     DirectiveState,
@@ -230,6 +230,15 @@ def candidates(compat_id_hex: str, states=(InstanceState.ACTIVE,), *, now=None):
                 ),
             ),
         )
+
+
+def instance_urls(name: str, among: Collection[str] | None = None) -> set[str]:
+    """The URLs of the instance ``name``, among ``among`` when given: what the index asks to
+    know where a principal bound to an instance publishes (``index.authz.instance_urls``)."""
+    rows = Instance.objects.filter(name=name)
+    if among is not None:
+        rows = rows.filter(url__in=list(among))
+    return set(rows.values_list("url", flat=True))
 
 
 def instance_json(instance: Instance, *, now=None) -> dict:

@@ -1,6 +1,9 @@
 """Writes of the Placement Controller (spec 6.3-6.5): instance registration, status reports and
 the lifecycle, failure detection, placement and the prefetch directives it sends.
 
+The sessions of an instance that failed or restarted are the sessions app's to move: this module
+starts its task by name (``FAIL_OVER_INSTANCE_SESSIONS``), as placement never imports sessions.
+
 Every change of an instance's state goes through ``_transition``, which asks the lifecycle table
 of ``kvsp.states``, and every change of a directive's state asks the directive table; views,
 tasks, the admin and the dashboard call these functions.
@@ -17,7 +20,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from common.tasks import enqueue
+from common.tasks import enqueue, run_now_by_name
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from kvsp.records import InstanceStatusRecord, base_url_rule_broken
@@ -238,11 +241,16 @@ def _sample(instance_id: int, state: str, record: InstanceStatusRecord, now: dat
     )
 
 
-def _instance_lost_sessions(instance_id: int) -> None:
-    """The sessions an instance served are gone with it: hand them to the resume logic."""
-    from sessions.services import do_fail_over_instance_sessions
+# The sessions app's failover (sessions/tasks.py), started by name: sessions builds on
+# placement, never the other way round.
+FAIL_OVER_INSTANCE_SESSIONS = "sessions.fail_over_instance"
 
-    do_fail_over_instance_sessions(instance_id)
+
+def _instance_lost_sessions(instance_id: int) -> None:
+    """The sessions an instance served are gone with it: the sessions app resumes them
+    elsewhere, at once. When that fails, its task retries; when the broker is down too, the
+    ``retry-stalled-sessions`` sweep finds the sessions of a failed instance."""
+    run_now_by_name(FAIL_OVER_INSTANCE_SESSIONS, instance_id)
 
 
 # What an operator (or the PC itself) may ask for, as lifecycle events.

@@ -15,10 +15,11 @@ from django.utils import timezone
 
 from common.peers import call, peer_client, raise_for_problem
 from common.tasks import add_housekeeping, kvsp_task
+from kvsp import fetchplan
 from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveState as DirectiveStateRecord
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
-from placement import delivery, fetchplan, resharding, services
+from placement import delivery, resharding, services
 from placement.models import (
     Directive,
     DirectiveState,

@@ -18,9 +18,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from common.permissions import has_scope_grant, may_read_scope
 from common.tasks import enqueue
-from index import selectors as index_selectors
-from index.auth import CONTROLLER
+from index.authentication import CONTROLLER
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
@@ -37,7 +37,6 @@ from kvsp.states import (
 from kvsp.timeline import check_timings
 from placement import delivery, pricing
 from placement.models import Instance, InstanceState
-from placement.selectors import candidates, matched_blocks
 from sessions import metrics, selectors, streams
 from sessions.models import OutputToken, Session, SessionState
 
@@ -104,7 +103,7 @@ def _record_checkpoint(principal, session_id: str, body: object, *, now=None) ->
     key = parse_session_id(session_id)
     if checkpoint.session != str(key):
         raise ProtocolError("kvsp-malformed-request", "session in the body differs from the path")
-    if bytes.fromhex(checkpoint.scope_id) not in principal.scope_ids:
+    if not has_scope_grant(principal, bytes.fromhex(checkpoint.scope_id)):
         raise ProtocolError("kvsp-forbidden", "not authorized for the checkpoint's scope")
     instance = _principal_instance(principal)
     now = now or timezone.now()
@@ -211,7 +210,7 @@ def do_post_output(principal, session_id: str, body: object, *, now=None) -> dic
     now = now or timezone.now()
     with transaction.atomic():
         session = Session.objects.select_for_update().filter(session=key).first()
-        if session is None or bytes(session.scope_id) not in principal.scope_ids:
+        if session is None or not has_scope_grant(principal, session.scope_id):
             raise ProtocolError("kvsp-not-found", "no such session")
         for token in tokens:
             accept_epoch(EpochRole.ISSUER, session.epoch, token.epoch, "epoch")
@@ -267,9 +266,7 @@ def output_of(principal, session_id: str, *, after: int = -1) -> dict:
     """The delivered tokens after index ``after``, for a principal of the session's scope."""
     key = parse_session_id(session_id)
     session = Session.objects.filter(session=key).first()
-    if session is None or not (
-        principal.controller or bytes(session.scope_id) in principal.scope_ids
-    ):
+    if session is None or not may_read_scope(principal, session.scope_id):
         raise ProtocolError("kvsp-not-found", "no such session")
     return selectors.output_after(session, after)
 
@@ -315,37 +312,36 @@ def session_block_keys(session: Session) -> list[bytes]:
 
 
 def resume_plan(session: Session, *, exclude=(), now=None):
-    """The cheapest active instance to resume a session on (6.4), with the blocks to load."""
+    """The cheapest active instance to resume a session on (6.4), but those of ``exclude``
+    (ids), priced as placement prices (``placement.pricing.price_prefix``), with the blocks it
+    holds and where to load the others from: (instance, resident keys,
+    ``kvsp.cost.BlockSources`` of the others), or (None, (), ()) when none serves it."""
     now = now or timezone.now()
     keys = session_block_keys(session)
-    found = index_selectors.replica_rows_by_key(
-        CONTROLLER, bytes(session.compat_id), bytes(session.scope_id), keys, now=now
-    )
-    # A failed instance is no source: the PC has judged it gone, and one that is only paused
-    # would hold every load up until the resume's deadline.
-    gone = set(Instance.objects.filter(state=InstanceState.FAILED).values_list("url", flat=True))
-    if gone:
-        kept = {key: [row for row in rows if row.holder not in gone] for key, rows in found.items()}
-        found = {key: rows for key, rows in kept.items() if rows}
-    matched = index_selectors.matched_prefix(keys, found)
-    blocks = matched_blocks([found[key] for key in keys[:matched]])
     descriptor = CompatDescriptor.objects.filter(compat_id=session.compat_id).first()
     block_tokens = descriptor.block_tokens if descriptor else 1
     checkpoint = SessionCheckpoint.from_json(session.checkpoint)
     tokens = len(checkpoint.prompt_blocks) * block_tokens + len(checkpoint.prompt_tail)
     tokens += len(checkpoint.covered_generated)
-    tokens = max(tokens, len(blocks) * block_tokens)
-    terms = {"block_tokens": block_tokens, "prompt_tokens": tokens}
-    entries = [
-        (instance, status)
-        for instance, status in candidates(bytes(session.compat_id).hex(), now=now)
-        if instance.pk not in exclude
-    ]
-    chosen = pricing.cheapest(pricing.price_candidates(entries, blocks, **terms))
+    # A failed instance is no source: the PC has judged it gone, and one that is only paused
+    # would hold every load up until the resume's deadline.
+    gone = set(Instance.objects.filter(state=InstanceState.FAILED).values_list("url", flat=True))
+    prefix = pricing.price_prefix(
+        CONTROLLER,
+        bytes(session.compat_id),
+        bytes(session.scope_id),
+        keys,
+        block_tokens=block_tokens,
+        prompt_tokens=tokens,
+        now=now,
+        exclude_holders=gone,
+        exclude_instances=exclude,
+    )
+    chosen = pricing.cheapest(prefix.priced)
     if chosen is None:
-        return None, None
-    candidate, status, _ = chosen
-    return Instance.objects.get(pk=candidate.pk), pricing.breakdown(status, blocks, **terms)
+        return None, (), ()
+    resident, fetched = prefix.block_sources(chosen)
+    return Instance.objects.get(pk=chosen.instance.pk), resident, fetched
 
 
 def do_fail_over_instance_sessions(instance_id: int, *, now=None) -> list[uuid.UUID]:
@@ -375,7 +371,7 @@ def do_fail_over_session(pk: int, *, failed_instance_id: int | None, now=None) -
             session.resume_error = "the instance failed before the first checkpoint"
             session.save()
             return False
-        instance, breakdown = resume_plan(
+        instance, resident, fetched = resume_plan(
             session, exclude={failed_instance_id} if failed_instance_id else set(), now=now
         )
         # A session already waiting for an instance keeps the epoch it was given: nobody has
@@ -396,8 +392,8 @@ def do_fail_over_session(pk: int, *, failed_instance_id: int | None, now=None) -
         if instance is None:
             session.resume_blocks, session.resume_resident, session.resume_due_at = [], [], None
         else:
-            session.resume_blocks = [block.to_json() for block in breakdown.directive_blocks()]
-            session.resume_resident = list(breakdown.resident)
+            session.resume_blocks = [block.directive_block().to_json() for block in fetched]
+            session.resume_resident = list(resident)
             session.resume_due_at = now + _resend_after()
         session.save()
         log.info("session %s: epoch %s, resuming on %s", session.session, session.epoch, instance)

@@ -1,5 +1,6 @@
-"""Tasks of session failover: sending resume to the chosen instance, and the sweep that sends
-again every resume still owed (each is work recorded on the session's row first)."""
+"""Tasks of session failover: moving the sessions of an instance that failed or restarted,
+sending resume to the chosen instance, and the sweep that sends again every resume still owed
+(each is work recorded on a row first)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from common.tasks import add_housekeeping, kvsp_task
 from kvsp.problems import ProtocolError
 from sessions import services
 from sessions.models import Session, SessionState
+
+
+@kvsp_task(name="sessions.fail_over_instance", time_limit=120)
+def fail_over_instance(instance_id: int) -> int:
+    """Resume elsewhere the sessions of an instance that failed or restarted (6.8). The PC's
+    placement app starts it by name as it fails the instance (``placement.services``); moving a
+    session twice is harmless, as a moved one is no longer the instance's. Returns how many
+    moved."""
+    return len(services.do_fail_over_instance_sessions(instance_id))
 
 
 @kvsp_task(name="sessions.send_resume", max_retries=0, time_limit=60)

@@ -32,8 +32,9 @@ from django.http import HttpResponse
 from django.http.request import split_domain_port, validate_host
 from django.middleware.security import SecurityMiddleware
 
-from common.api import holder_principal, problem_answer
+from common.api import problem_answer
 from common.metrics import REQUEST_SECONDS, REQUESTS
+from index.authentication import holder_principal
 from workers import serving
 from workers.api.views import BLOCK_ACCEPT
 from workers.metrics import BLOCKS_SENT

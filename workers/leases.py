@@ -13,7 +13,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from index.authz import may_read_scope
+from common.permissions import may_read_scope
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest
 from workers import selectors

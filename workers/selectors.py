@@ -11,7 +11,7 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import Count, Sum
 from django.utils import timezone
 
-from index.authz import may_read_scope
+from common.permissions import may_read_scope
 from kvsp.container import format_digest
 from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveState as DirectiveStateRecord

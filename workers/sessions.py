@@ -28,8 +28,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from common.api import require_object
+from common.permissions import may_read_scope
 from common.tasks import instance_queue
-from index.authz import may_read_scope
 from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
 from kvsp.records import (
@@ -61,12 +62,6 @@ def _invalid(detail: str) -> ProtocolError:
     return ProtocolError("kvsp-invalid-record", detail)
 
 
-def _object(value: object, what: str) -> dict:
-    if not isinstance(value, dict):
-        raise _malformed(f"{what} must be a JSON object")
-    return value
-
-
 def split_max_tokens(sampler: Sampler) -> tuple[dict, int | None]:
     """The sampler's own params, and the session length carried beside them."""
     params = sampler.params.to_json()
@@ -76,7 +71,7 @@ def split_max_tokens(sampler: Sampler) -> tuple[dict, int | None]:
 def resume_request(session_id: str, body: object) -> ResumeRequest:
     """The body of ``POST II sessions/{session}/resume`` (6.8) for the session of the path,
     with this node's prefetch deadline and lease where the PC left them out."""
-    body = _object(body, "the body")
+    body = require_object(body)
     session = str(parse_uuid(session_id, "session", problem="kvsp-malformed-request"))
     if str(body.get("session", "")).lower() != session:
         raise _malformed("session in the body differs from the path")

@@ -15,7 +15,6 @@ urlpatterns = [
         views.ReplicaWithdrawalBatchView.as_view(),
         name="replica-withdrawals",
     ),
-    path("lookup", views.LookupView.as_view(), name="lookup"),
     path("compat/<hex32:compat_id>", views.CompatView.as_view(), name="compat"),
     path("scopes/<hex16:scope_id>/key", views.ScopeKeyView.as_view(), name="scope-key"),
     path("tokens", views.TokenView.as_view(), name="tokens"),

@@ -1,4 +1,8 @@
-"""HTTP surface of the Index Service (DESIGN.md section 3): validate, call a service, answer."""
+"""HTTP surface of the Index Service (DESIGN.md section 3): validate, call a service, answer.
+
+``POST lookup`` answers with the Placement Controller's estimates per target as well, so its
+view is placement's (``placement.api.views.LookupView``), which passes them into the index's
+lookup."""
 
 from __future__ import annotations
 
@@ -8,27 +12,17 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from common.api import require_object
 from index import delegation, selectors, services
 from index.scopekeys import open_scope_key
 from kvsp.problems import ProtocolError
-from kvsp.records import (
-    LookupRequest,
-    ReplicaRecord,
-    TokenIntrospectionRequest,
-    TokenRequest,
-)
-
-
-def _require_object(data) -> dict:
-    if not isinstance(data, dict):
-        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
-    return data
+from kvsp.records import ReplicaRecord, TokenIntrospectionRequest, TokenRequest
 
 
 def _batch_items(data, member: str, item: str) -> list:
     """The items of a batch body ``{member: [item, ...]}``; the body is refused whole when it
     is not one, or has more items than KVSP_MAX_BATCH_RECORDS."""
-    items = _require_object(data).get(member)
+    items = require_object(data).get(member)
     if not isinstance(items, list):
         raise ProtocolError(
             "kvsp-malformed-request", f'the body must be {{"{member}": [{item}, ...]}}'
@@ -45,7 +39,7 @@ class ReplicaView(APIView):
     """One block's replicas: publish or refresh (PUT), withdraw (DELETE), list (GET); spec 6.1."""
 
     def put(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
-        record = ReplicaRecord.from_json(_require_object(request.data))
+        record = ReplicaRecord.from_json(require_object(request.data))
         for name, in_path, in_body in (
             ("compat_id", compat_id, record.compat_id_bytes),
             ("scope_id", scope_id, record.scope_id_bytes),
@@ -103,21 +97,6 @@ class ReplicaWithdrawalBatchView(APIView):
         )
         outcomes = services.do_withdraw_batch(request.user, replicas)
         return Response({"results": [outcome.to_json() for outcome in outcomes]})
-
-
-class LookupView(APIView):
-    """Prefix lookup (spec 6.2), with fetch and recompute estimates per target (6.4)."""
-
-    def post(self, request):
-        body = _require_object(request.data)
-        keys = body.get("block_keys")
-        if isinstance(keys, list) and len(keys) > settings.KVSP_MAX_LOOKUP_KEYS:
-            raise ProtocolError(
-                "kvsp-payload-too-large",
-                f"at most {settings.KVSP_MAX_LOOKUP_KEYS} block keys per lookup",
-            )
-        lookup = LookupRequest.from_json(body, max_keys=settings.KVSP_MAX_LOOKUP_KEYS)
-        return Response(selectors.lookup(request.user, lookup))
 
 
 class CompatView(APIView):

@@ -3,6 +3,7 @@ from django.urls import path
 from placement.api import views
 
 urlpatterns = [
+    path("lookup", views.LookupView.as_view(), name="lookup"),
     path("instances/", views.InstanceListView.as_view(), name="instances"),
     path("instances/<str:name>", views.InstanceDetailView.as_view(), name="instance"),
     path("instances/<str:name>/status", views.InstanceStatusView.as_view(), name="instance-status"),

@@ -1,21 +1,44 @@
-"""HTTP surface of the Placement Controller (DESIGN.md section 3)."""
+"""HTTP surface of the Placement Controller (DESIGN.md section 3), and the Index Service's
+``POST lookup``, whose estimates per target are the Placement Controller's to make."""
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.urls import reverse
+from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from common.api import require_object
+from common.permissions import IsController, IsControllerOrReadOnly
+from index import selectors as index_selectors
 from kvsp.problems import ProtocolError
-from kvsp.records import PlacementRequest
+from kvsp.records import LookupRequest, PlacementRequest
 from placement import placements, resharding, services
 from placement.models import Instance
-from placement.selectors import instance_json, readable_reshard, readable_shard_map
+from placement.selectors import (
+    instance_json,
+    lookup_estimates,
+    readable_reshard,
+    readable_shard_map,
+)
 
 
-def _require_controller(principal) -> None:
-    if not principal.controller:
-        raise ProtocolError("kvsp-forbidden", "only the Placement Controller's principal may")
+# The index finds the replicas, the Placement Controller's cost model prices the targets. (The
+# docstring is the operation's description in the OpenAPI document.)
+class LookupView(APIView):
+    """Prefix lookup (spec 6.2), with fetch and recompute estimates per target (6.4)."""
+
+    def post(self, request):
+        body = require_object(request.data)
+        keys = body.get("block_keys")
+        if isinstance(keys, list) and len(keys) > settings.KVSP_MAX_LOOKUP_KEYS:
+            raise ProtocolError(
+                "kvsp-payload-too-large",
+                f"at most {settings.KVSP_MAX_LOOKUP_KEYS} block keys per lookup",
+            )
+        lookup = LookupRequest.from_json(body, max_keys=settings.KVSP_MAX_LOOKUP_KEYS)
+        return Response(index_selectors.lookup(request.user, lookup, estimate=lookup_estimates))
 
 
 class InstanceStatusView(APIView):
@@ -29,11 +52,11 @@ class InstanceStatusView(APIView):
 class InstanceStateView(APIView):
     """An operator's state change (6.3), carried out by the PC with PUT state on the instance."""
 
+    permission_classes = [IsAuthenticated, IsController]
+
     def put(self, request, name: str):
-        _require_controller(request.user)
-        if not isinstance(request.data, dict):
-            raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
-        instance = services.do_change_state(name, request.data.get("state"))
+        state = require_object(request.data).get("state")
+        instance = services.do_change_state(name, state)
         return Response(instance_json(instance))
 
 
@@ -64,6 +87,8 @@ class ShardMapView(APIView):
     context is a scope the caller may not read answers like a map that does not exist; PUT
     and reshard are the Placement Controller's alone, and it reads every scope."""
 
+    permission_classes = [IsAuthenticated, IsControllerOrReadOnly]
+
     def get(self, request, map_id: str):
         row = readable_shard_map(request.user, map_id)
         if row is None:
@@ -71,7 +96,6 @@ class ShardMapView(APIView):
         return Response(row.document())
 
     def put(self, request, map_id: str):
-        _require_controller(request.user)
         row, created = resharding.do_put_shard_map(map_id, request.data)
         return Response(row.document(), status=201 if created else 200)
 
@@ -79,8 +103,9 @@ class ShardMapView(APIView):
 class ReshardView(APIView):
     """POST the next version's shards: the PC plans each member's move and runs it (6.9)."""
 
+    permission_classes = [IsAuthenticated, IsController]
+
     def post(self, request, map_id: str):
-        _require_controller(request.user)
         operation = resharding.do_start_reshard(map_id, request.data)
         location = request.build_absolute_uri(
             reverse("reshard-operation", args=[map_id, operation.to_version])

@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from common.asgibridge import LoopStreamingResponse
+from common.permissions import may_read_scope
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from sessions import services, streams
@@ -32,9 +33,7 @@ class SessionView(APIView):
     def get(self, request, session: str):
         key = services.parse_session_id(session)
         row = Session.objects.select_related("instance").filter(session=key).first()
-        if row is None or not (
-            request.user.controller or bytes(row.scope_id) in request.user.scope_ids
-        ):
+        if row is None or not may_read_scope(request.user, row.scope_id):
             raise ProtocolError("kvsp-not-found", "no such session")
         return Response(services.session_json(row))
 

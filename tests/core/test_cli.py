@@ -13,22 +13,19 @@ import pytest
 
 from kvsp.blockkeys import block_keys
 from kvsp.compat import compat_id_hex
+from tests.support.descriptors import descriptor
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = bytes(range(32, 64))
 COMPAT = hashlib.sha256(b"cli").digest()
-DESCRIPTOR = {
-    "model": "example/cli",
-    "model_digest": "sha-256:" + "ab" * 32,
-    "tokenizer_digest": "sha-256:" + "cd" * 32,
-    "layers": 2,
-    "kv_heads": 2,
-    "head_dim": 4,
-    "kv_dtype": "float16",
-    "positional": "rope;theta=10000",
-    "block_tokens": 4,
-    "layout": "kvsp-layout-1",
-}
+DESCRIPTOR = descriptor(
+    model="example/cli",
+    model_digest="sha-256:" + "ab" * 32,
+    tokenizer_digest="sha-256:" + "cd" * 32,
+    layers=2,
+    head_dim=4,
+    block_tokens=4,
+)
 
 
 def kvsp(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:

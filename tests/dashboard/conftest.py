@@ -13,7 +13,7 @@ import pytest
 from django.utils import timezone
 
 from index import metrics
-from index.auth import principal_for_token
+from index.authentication import principal_for_token
 from index.models import Principal
 from placement import resharding
 from sessions import streams

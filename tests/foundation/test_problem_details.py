@@ -4,7 +4,7 @@ import orjson
 import pytest
 from django.test import Client, override_settings
 
-from index.auth import new_token
+from index.authentication import new_token
 from index.models import Principal
 
 pytestmark = [pytest.mark.urls("tests.foundation.urls"), pytest.mark.django_db]
@@ -84,10 +84,12 @@ def test_protocol_error_keeps_its_problem_type(client):
     assert body["detail"] == "epoch 3 is lower than 5"
 
 
-def test_a_tripped_uniqueness_constraint_is_a_conflict_and_changes_nothing(client):
+@pytest.mark.parametrize("path", ["/kvsp/test/twice", "/kvsp/test/plain-twice"])
+def test_a_tripped_uniqueness_constraint_is_a_conflict_and_changes_nothing(client, path):
+    """Inside DRF or outside it (ProblemDetailsMiddleware), one mapping answers alike."""
     from index.models import Scope
 
-    body = assert_problem(client.post("/kvsp/test/twice"), 409, "kvsp-conflict")
+    body = assert_problem(client.post(path), 409, "kvsp-conflict")
     assert "changed nothing" in body["detail"] and "twice" not in body["detail"]
     assert not Scope.objects.filter(name="twice").exists()
 

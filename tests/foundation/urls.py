@@ -36,20 +36,28 @@ class Stale(APIView):
         raise ProtocolError("kvsp-stale-epoch", "epoch 3 is lower than 5")
 
 
-class Twice(APIView):
+def _create_twice() -> None:
     """Creates the same uniquely named row twice, as two racing requests would."""
+    from django.db import transaction
 
+    from index.models import Scope
+
+    with transaction.atomic():
+        Scope.objects.create(name="twice", scope_id=b"\x01" * 16, key_ciphertext=b"k")
+        Scope.objects.create(name="twice", scope_id=b"\x02" * 16, key_ciphertext=b"k")
+
+
+class Twice(APIView):
     permission_classes = [AllowAny]
 
     def post(self, request):
-        from django.db import transaction
-
-        from index.models import Scope
-
-        with transaction.atomic():
-            Scope.objects.create(name="twice", scope_id=b"\x01" * 16, key_ciphertext=b"k")
-            Scope.objects.create(name="twice", scope_id=b"\x02" * 16, key_ciphertext=b"k")
+        _create_twice()
         return Response({"created": 2})
+
+
+def plain_twice(request):
+    _create_twice()
+    return HttpResponse("created")
 
 
 def plain_crash(request):
@@ -67,6 +75,7 @@ test_api = [
     path("stale", Stale.as_view()),
     path("twice", Twice.as_view()),
     path("plain-crash", plain_crash),
+    path("plain-twice", plain_twice),
 ]
 
 urlpatterns = [path("kvsp/test/", include(test_api)), *control]

@@ -45,7 +45,7 @@ def test_creating_a_principal_shows_its_token_once(admin_client):
     messages = [str(m) for m in response.context["messages"]]
     (shown,) = [m for m in messages if "Token for engine-7" in m]
     token = shown.rsplit(" ", 1)[-1]
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
 
     principal = principal_for_token(token)
     assert principal.name == "engine-7"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from index.auth import principal_for_token
+from index.authentication import principal_for_token
 from index.models import Principal, Scope
 from kvsp.blockkeys import scope_id
 from placement.models import Instance

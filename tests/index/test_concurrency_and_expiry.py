@@ -7,7 +7,7 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from index.auth import principal_for_token
+from index.authentication import principal_for_token
 from index.models import Replica
 from index.services import do_delete_expired_replicas, do_publish_replica
 from kvsp.records import ReplicaRecord

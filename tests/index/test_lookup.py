@@ -4,7 +4,9 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
+from kvsp.compat import compat_id_hex
 from placement.models import Instance, InstanceState
+from tests.support.descriptors import descriptor
 from tests.support.fixtures import (
     HOLDER_A,
     HOLDER_B,
@@ -143,24 +145,6 @@ def test_malformed_lookups_are_problems(holder_a, request_body):
     assert response["Content-Type"] == "application/problem+json"
 
 
-def make_descriptor():
-    from kvsp.compat import compat_id_hex
-
-    descriptor = {
-        "model": "test-llama",
-        "model_digest": "sha-256:" + "1" * 64,
-        "tokenizer_digest": "sha-256:" + "2" * 64,
-        "layers": 4,
-        "kv_heads": 2,
-        "head_dim": 16,
-        "kv_dtype": "float16",
-        "positional": "rope;theta=10000",
-        "block_tokens": 16,
-        "layout": "kvsp-layout-1",
-    }
-    return descriptor, compat_id_hex(descriptor)
-
-
 def report(url, *, links, prefill=10_000.0, name=None):
     name = name or url.split("//")[1].split(".")[0]
     status = {
@@ -191,8 +175,9 @@ def report(url, *, links, prefill=10_000.0, name=None):
 
 
 def test_estimates_per_target(scope, holder_a):
-    descriptor, compat = make_descriptor()
-    assert holder_a.put(f"/kvsp/compat/{compat}", descriptor).status_code == 201
+    small_model = descriptor()
+    compat = compat_id_hex(small_model)
+    assert holder_a.put(f"/kvsp/compat/{compat}", small_model).status_code == 201
     keys = [random_key() for _ in range(4)]
     for key in keys:
         record = replica_json(scope.scope_id_hex, compat, key, HOLDER_A, size=1_000_000)

@@ -6,7 +6,7 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from index.auth import principal_for_token
+from index.authentication import principal_for_token
 from index.models import Replica
 from index.services import do_publish_replica
 from kvsp.records import ReplicaRecord

@@ -6,22 +6,12 @@ from index.models import Scope
 from index.scopekeys import open_scope_key
 from kvsp.blockkeys import scope_id
 from kvsp.compat import compat_id_hex
+from tests.support.descriptors import descriptor
 from tests.support.fixtures import body, make_caller, make_scope, problem_name
 
 pytestmark = pytest.mark.django_db
 
-DESCRIPTOR = {
-    "model": "test-llama",
-    "model_digest": "sha-256:" + "1" * 64,
-    "tokenizer_digest": "sha-256:" + "2" * 64,
-    "layers": 4,
-    "kv_heads": 2,
-    "head_dim": 16,
-    "kv_dtype": "float16",
-    "positional": "rope;theta=10000",
-    "block_tokens": 16,
-    "layout": "kvsp-layout-1",
-}
+DESCRIPTOR = descriptor()
 
 
 def test_scope_key_is_served_to_principals_of_the_scope_only():

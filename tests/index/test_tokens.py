@@ -9,7 +9,8 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from index.delegation import now_ms, principal_for_delegated_token, signed_token
+from index.authentication import now_ms, principal_for_delegated_token
+from index.delegation import signed_token
 from index.models import Principal
 from kvsp.delegation import DelegatedClaims
 from placement.services import do_register_instance

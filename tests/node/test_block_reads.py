@@ -12,7 +12,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from index.auth import AuthenticatedPrincipal
+from index.authentication import AuthenticatedPrincipal
 from tests.node.support import block_row, container
 from tests.support.fixtures import make_caller, make_scope
 from tests.support.statements import (

@@ -140,7 +140,7 @@ def test_concurrent_lease_requests_never_exceed_the_quota(cluster):
     assert all(
         answer.status_code == 429 and problem(answer) == "kvsp-lease-quota" for answer in refused
     )
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
     from workers.models import Lease
 
     principal = principal_for_token(cluster.tokens["reader_a"])
@@ -167,7 +167,7 @@ def test_an_expired_lease_cannot_be_renewed_or_released(cluster):
 
 
 def release_all(cluster, node, token_name: str) -> None:
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
     from workers.models import Lease
 
     principal = principal_for_token(cluster.tokens[token_name])

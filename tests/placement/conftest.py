@@ -8,23 +8,13 @@ from index.scopekeys import open_scope_key
 from index.services import do_register_descriptor
 from kvsp.blockkeys import block_keys
 from kvsp.compat import compat_id_hex
+from tests.support.descriptors import descriptor
 from tests.support.fixtures import make_caller, make_scope, replica_json
 
 HOLDER = "http://holder.test/kvsp/"
 BLOCK_TOKENS = 16
 
-DESCRIPTOR = {
-    "model": "test-llama",
-    "model_digest": "sha-256:" + "1" * 64,
-    "tokenizer_digest": "sha-256:" + "2" * 64,
-    "layers": 4,
-    "kv_heads": 2,
-    "head_dim": 16,
-    "kv_dtype": "float16",
-    "positional": "rope;theta=10000",
-    "block_tokens": BLOCK_TOKENS,
-    "layout": "kvsp-layout-1",
-}
+DESCRIPTOR = descriptor(block_tokens=BLOCK_TOKENS)
 
 
 @dataclass

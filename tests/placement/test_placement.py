@@ -149,7 +149,7 @@ def test_a_placement_that_prefetches_is_four_statements(
     """The scope with its block size, the lookup, the candidates and the directive's INSERT,
     whatever the number of blocks, replica shapes and instances; and the directive it records
     is sent as the cost model planned it, each block with its sources by cost."""
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
     from kvsp.records import PlacementRequest
     from placement import delivery, placements
     from tests.support.fixtures import make_caller

@@ -238,7 +238,7 @@ def test_concurrent_out_of_order_reports_keep_the_highest_epoch(role_env, start_
 
 
 def test_heartbeats_update_figures_and_sample_every_interval(ii1):
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
     from placement.services import do_report_status
 
     principal = principal_for_token(ii1.token)

@@ -274,3 +274,11 @@ def test_a_resume_lost_with_the_broker_is_sent_by_the_sweep(
     tokens[-1]["final"] = True
     assert caller_b.post(f"/kvsp/sessions/{session}/output", tokens).status_code == 200
     assert Session.objects.get().state == "completed"
+
+
+def test_placement_starts_the_failover_task_by_its_name():
+    """Placement may not import sessions (DESIGN.md section 2): it names the task."""
+    from placement.services import FAIL_OVER_INSTANCE_SESSIONS
+    from sessions.tasks import fail_over_instance
+
+    assert fail_over_instance.name == FAIL_OVER_INSTANCE_SESSIONS

@@ -257,7 +257,7 @@ def close_wait_sockets(port: int) -> int:
 
 
 def _principal_id(caller) -> int:
-    from index.auth import principal_for_token
+    from index.authentication import principal_for_token
 
     return principal_for_token(caller.token).id
 

@@ -18,18 +18,21 @@ from pathlib import Path
 from django.conf import settings
 from django.http import StreamingHttpResponse
 from rest_framework import status
+from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from common.api import (
     KVSP_BLOCK,
-    HolderAuthentication,
     KvspBlockParser,
     KvspBlockRenderer,
     KvspJSONRenderer,
     PlainJSONRenderer,
     ReceivedContainer,
+    require_object,
 )
+from common.permissions import IsController
+from index.authentication import HolderAuthentication
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from kvsp.records import (
@@ -62,17 +65,6 @@ BLOCK_ACCEPT = (None, "*/*", KVSP_BLOCK)
 def _node_url(request, path: str) -> str:
     base = settings.KVSP_PUBLIC_URL or request.build_absolute_uri("/kvsp/")
     return base + path
-
-
-def _require_controller(principal) -> None:
-    if not principal.controller:
-        raise ProtocolError("kvsp-forbidden", "only the Placement Controller's principal may")
-
-
-def _object(data) -> dict:
-    if not isinstance(data, dict):
-        raise ProtocolError("kvsp-malformed-request", "the body must be a JSON object")
-    return data
 
 
 class BlockView(APIView):
@@ -221,8 +213,9 @@ class LeaseView(APIView):
 class PrefetchView(APIView):
     """POST prefetch (6.5): 202 with the directive's status resource as Location."""
 
+    permission_classes = [IsAuthenticated, IsController]
+
     def post(self, request):
-        _require_controller(request.user)
         row = prefetch.do_accept_directive(PrefetchDirective.from_json(request.data))
         return Response(
             selectors.directive_state(row).to_json(),
@@ -234,8 +227,9 @@ class PrefetchView(APIView):
 class DirectiveView(APIView):
     """GET prefetch/{directive} (6.5): its state and the keys loaded so far."""
 
+    permission_classes = [IsAuthenticated, IsController]
+
     def get(self, request, directive: uuid.UUID):
-        _require_controller(request.user)
         row = Directive.objects.filter(instance=selectors.node_name(), directive=directive).first()
         if row is None:
             raise ProtocolError("kvsp-not-found", "no such directive")
@@ -245,9 +239,10 @@ class DirectiveView(APIView):
 class StateView(APIView):
     """PUT state (6.3): the state the PC decided for this instance."""
 
+    permission_classes = [IsAuthenticated, IsController]
+
     def put(self, request):
-        _require_controller(request.user)
-        node = instance.do_set_state(_object(request.data).get("state"))
+        node = instance.do_set_state(require_object(request.data).get("state"))
         return Response({"state": node.state})
 
 
@@ -276,8 +271,9 @@ class ResumeView(APIView):
     """POST sessions/{session}/resume (6.8): the PC hands this instance a failed instance's
     session under a new epoch. 202 once admitted; the worker loads, recomputes and goes on."""
 
+    permission_classes = [IsAuthenticated, IsController]
+
     def post(self, request, session: str):
-        _require_controller(request.user)
         row = sessions.do_accept_resume(session, request.data)
         return Response(
             {"session": str(row.session), "epoch": row.epoch, "state": row.state},
@@ -289,8 +285,9 @@ class ReshardView(APIView):
     """POST reshard (6.9): a plan, answered 200 once its fetch ranges are loaded; a commit; or
     an abort (see ``workers.resharding``)."""
 
+    permission_classes = [IsAuthenticated, IsController]
+
     def post(self, request):
-        _require_controller(request.user)
         body = parse_reshard_body(request.data)
         if isinstance(body, ReshardPlan):
             move = resharding.do_prepare(body, request.data)

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsp import cost
+from kvsp.pricing import BlockTable, block_sources, directive_blocks, price_all
 from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord, ResidencyEntry
-from placement.pricing import BlockTable, directive_blocks, price_all
 
 HOLDERS = [f"http://h{n}.test/kvsp/" for n in range(4)]
 INSTANCES = [f"http://ii{n}.test/kvsp/" for n in range(5)]
@@ -120,6 +120,18 @@ def test_directive_sources_equal_the_reference(blocks, fleet):
         assert directive_blocks(status, table) == expected
 
 
+@settings(max_examples=150, deadline=None)
+@given(blocks=st.lists(block_strategy, max_size=12), fleet=fleet_strategy)
+def test_resident_blocks_and_sources_equal_the_reference(blocks, fleet):
+    """What a resume carries (6.8): the blocks resident at the chosen instance, and where to
+    load each other block of the loadable prefix from."""
+    matched = matched_blocks(blocks)
+    table = BlockTable.from_matched_blocks(matched)
+    for status in statuses(fleet):
+        plan = cost.plan_fetch(status.instance, status.links, matched)
+        assert block_sources(status, table) == (plan.resident, plan.fetched)
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     holders=st.integers(1, 20),
@@ -131,7 +143,7 @@ def test_a_directive_keeps_each_distinct_list_of_sources_once(holders, picks, da
     (past 15 a row no longer fits one int64 code)."""
     import numpy as np
 
-    from placement.pricing import _distinct_rows
+    from kvsp.pricing import _distinct_rows
 
     columns = st.permutations(list(range(-1, holders))).map(lambda p: p[:holders])
     lists = data.draw(st.lists(columns, min_size=5, max_size=5))

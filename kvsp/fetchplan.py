@@ -5,10 +5,13 @@ some 200,000 greedy decisions), and each decision depends on the ones before it,
 Python loop nor numpy across instances gets it below tens of milliseconds. These loops are the
 reference's, statement for statement, compiled by numba: the same floating-point operations in
 the same order (no fast-math), the same tie-breaking (the lower holder URL, as columns are
-sorted by URL). tests/placement/test_pricing.py holds the results equal to the reference.
+sorted by URL). tests/core/test_pricing.py holds the results equal to the reference.
 
-The inputs are arrays, ``placement.pricing.BlockTable`` and ``placement.pricing.LinkTable``
-build them:
+numba is imported on the first plan (``_jit_kernels``), not with this module: it loads its
+compiler and the socket module, which a user of the core has no need of until it prices a
+fleet.
+
+The inputs are arrays, ``kvsp.pricing.BlockTable`` and ``kvsp.pricing.LinkTable`` build them:
 
 - ``shape_of[b, h]``: the replica shape of block b at holder column h, -1 when h has none.
 - ``shape_size[s]``, ``shape_layers[s, e]`` and ``shape_read[s, e]``: octets of shape s and its
@@ -24,10 +27,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import njit
 
 
-@njit(cache=True)
 def _transfer_us(s, link_mbit_per_s, shape_size, shape_layers, shape_read):
     # kvsp.cost.replica_transfer_us: each layer range at min(link, tier read rate).
     layers = 0
@@ -46,7 +47,6 @@ def _transfer_us(s, link_mbit_per_s, shape_size, shape_layers, shape_read):
     return total
 
 
-@njit(cache=True)
 def _walk(i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column, ranked):
     """Instance i's loadable prefix and fetch_us; with ``ranked`` of one row per block, also
     each fetched block's usable sources by finish time (-1 after the last; a resident block's
@@ -115,8 +115,7 @@ def _walk(i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, 
     return loadable, fetch_us
 
 
-@njit(cache=True)
-def plan_fleet(shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column):
+def _plan_fleet(shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column):
     """Loadable prefix length and fetch_us of every instance."""
     count = rate.shape[0]
     loadable = np.zeros(count, dtype=np.int64)
@@ -138,14 +137,53 @@ def plan_fleet(shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable
     return loadable, fetch_us
 
 
-@njit(cache=True)
-def plan_sources(i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column):
+def _plan_sources(i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column):
     """Instance i's sources per block, by finish time: (loadable, ranked columns per block)."""
     ranked = np.full(shape_of.shape, -1, dtype=np.int32)
     loadable, _ = _walk(
         i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column, ranked
     )
     return loadable, ranked
+
+
+# The loops above, callees first: numba resolves a callee among the module's globals as it
+# compiles its caller, so each is made a dispatcher before the next.
+_KERNELS = ("_transfer_us", "_walk", "_plan_fleet", "_plan_sources")
+_compile_lock = threading.Lock()
+_jitted = False
+
+
+def _jit_kernels() -> None:
+    """Make the loops numba dispatchers (once; each compiles, or loads from the disk cache, on
+    its first call)."""
+    global _jitted
+    if _jitted:
+        return
+    with _compile_lock:
+        if _jitted:
+            return
+        from numba import njit
+
+        module = globals()
+        for name in _KERNELS:
+            module[name] = njit(cache=True)(module[name])
+        _jitted = True
+
+
+def plan_fleet(shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column):
+    """Loadable prefix length and fetch_us of every instance."""
+    _jit_kernels()
+    return _plan_fleet(
+        shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column
+    )
+
+
+def plan_sources(i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column):
+    """Instance i's sources per block, by finish time: (loadable, ranked columns per block)."""
+    _jit_kernels()
+    return _plan_sources(
+        i, shape_of, shape_size, shape_layers, shape_read, rate, rtt, usable, own_column
+    )
 
 
 def warm_in_background() -> None:
