@@ -42,6 +42,7 @@ serve: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff format --check .
 
 # The vLLM tests (tests/vllm) run in the same pytest run; they drive vLLM engines in

@@ -63,3 +63,14 @@ def test_the_vllm_connector_loads_no_django():
     ]
     assert "kvsp_vllm.client" in modules and "kvsp_vllm.layouts" in modules
     assert loaded_after_importing(modules, FORBIDDEN[:-2] + PROJECT_APPS) == []
+
+
+def test_every_layer_imports_only_the_layers_below_it():
+    # The contracts are in pyproject.toml: the layers of DESIGN.md section 2, the node's reach
+    # into the index, and the plain-Python core and connector.
+    lint_imports = Path(PYTHON).with_name("lint-imports")
+    result = subprocess.run(
+        [lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " broken" not in result.stdout and "Contracts: " in result.stdout
