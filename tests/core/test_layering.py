@@ -5,6 +5,7 @@ and vLLM, and reaches the roles over HTTP only, never through Django or the proj
 import ast
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,4 +74,4 @@ def test_every_layer_imports_only_the_layers_below_it():
         [lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " broken" not in result.stdout and "Contracts: " in result.stdout
+    assert re.search(r"Contracts: \d+ kept, 0 broken", result.stdout), result.stdout[-4000:]
