@@ -14,7 +14,6 @@ import argparse
 import hmac
 import random
 import struct
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -22,6 +21,7 @@ if __package__ in (None, ""):
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.timing import best_of
 from kvsp.blockkeys import BLOCK_TAG, ZERO_KEY, block_keys
 
 TOKENS = 131_072
@@ -38,15 +38,6 @@ def prebuilt_messages(scope_key: bytes, compat_id: bytes, tokens: list[int]) -> 
         previous = hmac.digest(scope_key, message, "sha256")
         messages.append(message)
     return messages
-
-
-def best_of(repeats: int, function) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvspsite.settings")
 
 from bench.support import PG, Nginx, ensure_nginx, fresh_database  # noqa: E402
+from bench.timing import best_of  # noqa: E402
 from kvsp.container import RAW_CODEC, decode, encode, store_headers  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
 from kvsp.reprdigest import verify_repr_digest  # noqa: E402
@@ -54,15 +55,6 @@ SECTION = 1 << 20
 TOKENS = 256
 TARGET = 0.7
 CHUNK = 1 << 20
-
-
-def best_of(repeats: int, function) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -27,6 +26,7 @@ if __package__ in (None, ""):
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.timing import best_of
 from kvsp.container import (
     RAW_CODEC,
     ContainerStreamReader,
@@ -42,15 +42,6 @@ TOKENS = 256
 TARGET = 0.85
 CHUNK = 64 << 10
 SLICE = (8, 15)
-
-
-def best_of(repeats: int, function) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
