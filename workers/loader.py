@@ -53,7 +53,7 @@ from django.db import connections
 from common.peers import PeerUnreachable, peer_client
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseRequest, ReplicaRecord
-from workers import admission, control, fetch, replicas, tiers
+from workers import admission, control_plane, fetch, replicas, tiers
 from workers.links import LinkMeter
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class Loader:
         """The records of the blocks to load, in one lookup (6.2); a block past the matched
         prefix of the list is asked for on its own when it is loaded."""
         try:
-            self._expected = control.lookup(self.compat_id, self.scope_id, keys)
+            self._expected = control_plane.lookup(self.compat_id, self.scope_id, keys)
         except (PeerUnreachable, ProtocolError) as exc:
             log.warning("%s: lookup failed (%s)", self.label, exc)
 
@@ -498,7 +498,7 @@ class Loader:
     def _token(self, source: str) -> str:
         """The delegated token for this scope at ``source``; _Refused when there is none."""
         try:
-            return control.delegated_token(self.scope_id, source)
+            return control_plane.delegated_token(self.scope_id, source)
         except (PeerUnreachable, ProtocolError) as exc:
             raise _Refused(f"the control plane gave no token for it ({exc})") from exc
 
@@ -513,7 +513,9 @@ class Loader:
         records = self._expected.get(block_key)
         if records is None or source not in records:
             try:
-                records = control.replicas(self.compat_id, self.scope_id, bytes.fromhex(block_key))
+                records = control_plane.replicas(
+                    self.compat_id, self.scope_id, bytes.fromhex(block_key)
+                )
             except (PeerUnreachable, ProtocolError) as exc:
                 raise _Refused(f"the Index Service could not say where it is ({exc})") from exc
             with self._lock:
@@ -603,7 +605,7 @@ class Loader:
         presented again."""
         log.warning("%s: block %s from %s refused: %s", self.label, block_key, source, exc.detail)
         if exc.problem == "kvsp-unauthenticated":
-            control.forget_delegated_token(self.scope_id, source)
+            control_plane.forget_delegated_token(self.scope_id, source)
         return exc.detail
 
     def _keep(self, block_key: str, source: str, fetched: fetch.FetchedBlock):

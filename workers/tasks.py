@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from common.tasks import kvsp_task
 from kvsp.problems import ProtocolError
-from workers import generation, resharding, runtime
-from workers import prefetch as prefetching
+from workers import directives, generation, resharding, runtime
 
 
 @kvsp_task(name="workers.prefetch", max_retries=3, time_limit=900)
 def prefetch(directive_pk: int) -> str:
     """Carry out a prefetch directive (spec 6.5); a finished one is left as it is."""
     node = runtime.current()
-    return prefetching.run_directive(directive_pk, node.device_tier if node else None)
+    return directives.run_directive(directive_pk, node.device_tier if node else None)
 
 
 @kvsp_task(name="workers.load_reshard", max_retries=3, time_limit=900)

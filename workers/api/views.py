@@ -43,13 +43,13 @@ from kvsp.records import (
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
 from workers import (
     admission,
+    directives,
     instance,
     leases,
-    prefetch,
     resharding,
     selectors,
+    served_sessions,
     serving,
-    sessions,
     tiers,
 )
 from workers.metrics import BLOCKS_SENT
@@ -223,9 +223,9 @@ class PrefetchView(APIView):
 
     def post(self, request):
         _require_controller(request.user)
-        row = prefetch.do_accept_directive(PrefetchDirective.from_json(request.data))
+        row = directives.do_accept_directive(PrefetchDirective.from_json(request.data))
         return Response(
-            selectors.directive_state(row).to_json(),
+            selectors.directive_status(row).to_json(),
             status=status.HTTP_202_ACCEPTED,
             headers={"Location": _node_url(request, f"prefetch/{row.directive}")},
         )
@@ -239,7 +239,7 @@ class DirectiveView(APIView):
         row = Directive.objects.filter(instance=selectors.node_name(), directive=directive).first()
         if row is None:
             raise ProtocolError("kvsp-not-found", "no such directive")
-        return Response(selectors.directive_state(row).to_json())
+        return Response(selectors.directive_status(row).to_json())
 
 
 class StateView(APIView):
@@ -257,7 +257,7 @@ class GenerateView(APIView):
     checkpoints and output tokens appear (6.8)."""
 
     def post(self, request):
-        row = sessions.do_accept_generation(request.user, request.data)
+        row = served_sessions.do_accept_generation(request.user, request.data)
         session_url = f"{settings.KVSP_CONTROL_URL}sessions/{row.session}"
         return Response(
             {
@@ -278,7 +278,7 @@ class ResumeView(APIView):
 
     def post(self, request, session: str):
         _require_controller(request.user)
-        row = sessions.do_accept_resume(session, request.data)
+        row = served_sessions.do_accept_resume(session, request.data)
         return Response(
             {"session": str(row.session), "epoch": row.epoch, "state": row.state},
             status=status.HTTP_202_ACCEPTED,

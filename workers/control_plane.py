@@ -22,7 +22,7 @@ import orjson
 from django.conf import settings
 
 from common.peers import PeerUnreachable, call, peer_client, raise_for_problem
-from kvsp.blockkeys import scope_id as scope_id_of
+from kvsp import blockkeys
 from kvsp.delegation import DelegatedTokenCache
 from kvsp.problems import ProtocolError, problem_name
 from kvsp.records import (
@@ -359,7 +359,7 @@ def scope_key(scope_id: bytes) -> bytes:
         return known
     response = raise_for_problem(call(client(), "GET", f"{_base()}scopes/{scope_id.hex()}/key"))
     key = bytes.fromhex(str(response.json().get("scope_key", "")))
-    if scope_id_of(key) != scope_id:
+    if blockkeys.scope_id(key) != scope_id:
         raise ProtocolError("kvsp-upstream-error", "the scope key does not hash to the scope id")
     with _scope_keys_lock:
         _scope_keys[scope_id] = key
