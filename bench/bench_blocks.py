@@ -171,7 +171,8 @@ def main() -> None:
 
 
 def run(repeats, data, record, node_url, path, token, nginx_url) -> None:
-    from workers.fetch import BlockConnections, fetch_block
+    from common.peers import BlockConnections
+    from workers.fetch import fetch_block
 
     node_client = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=120)
     node_connections = BlockConnections({"Authorization": f"Bearer {token}"})
@@ -248,7 +249,8 @@ def run(repeats, data, record, node_url, path, token, nginx_url) -> None:
 def per_request(count, node, nginx, node_url, token, records, nginx_base, files) -> None:
     """The holder's CPU and wall time per GET over one kept-alive connection (module doc)."""
     from bench.support import CpuMeter
-    from workers.fetch import BlockConnections, fetch_block
+    from common.peers import BlockConnections
+    from workers.fetch import fetch_block
 
     meter = CpuMeter([node, nginx])
 

@@ -108,7 +108,8 @@ def run(options, cluster: BenchCluster, meter: CpuMeter) -> None:
     tokens, controller = cluster.tokens, cluster.controller
     os.environ["DATABASE_URL"] = cluster.database_url
     django.setup()
-    from workers.fetch import BlockConnections, fetch_block
+    from common.peers import BlockConnections
+    from workers.fetch import fetch_block
     from workers.models import MeasuredLink
 
     compat = compat_id_hex(DESCRIPTOR)

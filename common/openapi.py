@@ -23,7 +23,7 @@ from kvsp import compat
 from kvsp.records import (
     MAX_URL_LENGTH,
     BlockBatchRequest,
-    DirectiveState,
+    DirectiveStatusRecord,
     GenerateRequest,
     InstanceStatusRecord,
     LeaseGrant,
@@ -79,7 +79,7 @@ RECORD_TYPES = (
     LeaseRenewal,
     LeaseGrant,
     PrefetchDirective,
-    DirectiveState,
+    DirectiveStatusRecord,
     SessionCheckpoint,
     GenerateRequest,
     ResumeRequest,
@@ -574,11 +574,11 @@ OPERATIONS = {
     ("/kvsp/leases/{lease}", "delete"): (None, {204: None, 404: "Problem"}),
     ("/kvsp/prefetch", "post"): (
         "PrefetchDirective",
-        {202: "DirectiveState", 403: "Problem", 409: "Problem", 422: "Problem"},
+        {202: "DirectiveStatusRecord", 403: "Problem", 409: "Problem", 422: "Problem"},
     ),
     ("/kvsp/prefetch/{directive}", "get"): (
         None,
-        {200: "DirectiveState", 403: "Problem", 404: "Problem"},
+        {200: "DirectiveStatusRecord", 403: "Problem", 404: "Problem"},
     ),
     ("/kvsp/state", "put"): (
         "StateChange",

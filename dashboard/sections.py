@@ -12,15 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from index import selectors as index_selectors
+import index.selectors
+import placement.selectors
+import sessions.selectors
+import workers.selectors
 from index.models import Tier
 from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
 from kvsp.timeline import in_order
-from placement import selectors as placement_selectors
 from placement.models import Instance, InstanceState, ReshardPhase
-from sessions import selectors as session_selectors
 from sessions.services import session_json
-from workers import selectors as lease_selectors
 
 # The longest span of a chart, the shortest (a young cluster's few points are not squeezed
 # against the right edge of an hour), and how many rows a "latest" table lists.
@@ -126,7 +126,7 @@ def _instance_row(document: dict) -> dict:
 def _instances(page: Page) -> list[dict]:
     return page.once(
         "instances",
-        lambda: [_instance_row(i) for i in placement_selectors.instances(now=page.now)],
+        lambda: [_instance_row(i) for i in placement.selectors.instances(now=page.now)],
     )
 
 
@@ -135,7 +135,7 @@ def _instances_data(page: Page) -> dict:
 
 
 def _cluster_load_lines(page: Page) -> list[dict]:
-    minutes = placement_selectors.cluster_load(page.since)
+    minutes = placement.selectors.cluster_load(page.since)
     return [
         _line("running", ((m["minute"], m["running"]) for m in minutes)),
         _line("queued", ((m["minute"], m["queued"]) for m in minutes)),
@@ -143,13 +143,13 @@ def _cluster_load_lines(page: Page) -> list[dict]:
 
 
 def _cluster_kv_lines(page: Page) -> list[dict]:
-    minutes = placement_selectors.cluster_load(page.since)
+    minutes = placement.selectors.cluster_load(page.since)
     return [_line("mean KV utilization", ((m["minute"], m["kv_utilization"]) for m in minutes))]
 
 
 def _instance_data(page: Page) -> dict:
     instance = page.instance
-    document = _instance_row(placement_selectors.instance_figures(instance, now=page.now))
+    document = _instance_row(placement.selectors.instance_figures(instance, now=page.now))
     return {
         "instance": document,
         "registered_at": instance.registered_at,
@@ -161,7 +161,7 @@ def _instance_data(page: Page) -> dict:
 
 def _samples(page: Page):
     return page.once(
-        "samples", lambda: placement_selectors.status_samples(page.instance, page.since)
+        "samples", lambda: placement.selectors.status_samples(page.instance, page.since)
     )
 
 
@@ -189,7 +189,7 @@ def _instance_rate_lines(page: Page) -> list[dict]:
 
 
 def _replicas_data(page: Page) -> dict:
-    holders = page.once("holders", lambda: index_selectors.replicas_by_holder(now=page.now))
+    holders = page.once("holders", lambda: index.selectors.replicas_by_holder(now=page.now))
     names = {i["url"]: i["name"] for i in _instances(page)}
     for holder in holders:
         holder["instance"] = names.get(holder["url"])
@@ -219,15 +219,15 @@ def _holder_data(page: Page) -> dict:
     return {
         "holder": holder,
         "instance": instance,
-        "figures": index_selectors.replica_tier_totals(holder_id=holder.pk, now=page.now),
+        "figures": index.selectors.replica_tier_totals(holder_id=holder.pk, now=page.now),
         "tiers": _tier_names(),
     }
 
 
 def _instance_replicas_data(page: Page) -> dict:
-    holder = index_selectors.holder_by_url(page.instance.url)
+    holder = index.selectors.holder_by_url(page.instance.url)
     figures = (
-        index_selectors.replica_tier_totals(holder_id=holder.pk, now=page.now) if holder else None
+        index.selectors.replica_tier_totals(holder_id=holder.pk, now=page.now) if holder else None
     )
     return {"holder": holder, "figures": figures, "tiers": _tier_names()}
 
@@ -241,15 +241,15 @@ def _lookups_data(page: Page) -> dict:
         "windows": [
             (
                 f"last {minutes} minutes",
-                index_selectors.lookup_totals(page.now - LOOKUP_SUMMARY_WINDOW),
+                index.selectors.lookup_totals(page.now - LOOKUP_SUMMARY_WINDOW),
             ),
-            ("last hour", index_selectors.lookup_totals(page.since)),
+            ("last hour", index.selectors.lookup_totals(page.since)),
         ]
     }
 
 
 def _hit_ratio_lines(page: Page) -> list[dict]:
-    buckets = index_selectors.lookup_buckets(page.since)
+    buckets = index.selectors.lookup_buckets(page.since)
     return [
         _line("matched blocks / blocks asked", ((b.minute, b.matched_ratio) for b in buckets)),
         _line(
@@ -277,16 +277,16 @@ def _directive_row(directive, now: datetime) -> dict:
 
 
 def _directives_data(page: Page) -> dict:
-    recent = placement_selectors.recent_directives(RECENT, instance=page.instance)
+    recent = placement.selectors.recent_directives(RECENT, instance=page.instance)
     return {
-        "counts": placement_selectors.directive_state_counts(page.instance),
+        "counts": placement.selectors.directive_state_counts(page.instance),
         "directives": [_directive_row(d, page.now) for d in recent],
         "show_instance": page.instance is None,
     }
 
 
 def _prefetch_latency_lines(page: Page) -> list[dict]:
-    minutes = placement_selectors.prefetch_latency(page.since, instance=page.instance)
+    minutes = placement.selectors.prefetch_latency(page.since, instance=page.instance)
     return [
         _line("mean", ((m["minute"], m["mean_ms"]) for m in minutes)),
         _line("longest", ((m["minute"], m["max_ms"]) for m in minutes)),
@@ -298,9 +298,9 @@ def _prefetch_latency_lines(page: Page) -> list[dict]:
 
 def _leases_data(page: Page) -> dict:
     name = page.instance.name if page.instance else None
-    recent = lease_selectors.recent_leases(RECENT, instance=name, now=page.now)
+    recent = workers.selectors.recent_leases(RECENT, instance=name, now=page.now)
     return {
-        "totals": lease_selectors.lease_totals(instance=name, now=page.now),
+        "totals": workers.selectors.lease_totals(instance=name, now=page.now),
         "leases": [
             {
                 "lease": lease.lease,
@@ -328,9 +328,9 @@ def _session_row(session, now: datetime) -> dict:
 
 
 def _sessions_data(page: Page) -> dict:
-    recent = session_selectors.recent_sessions(2 * RECENT, instance=page.instance)
+    recent = sessions.selectors.recent_sessions(2 * RECENT, instance=page.instance)
     return {
-        "counts": session_selectors.session_state_counts() if page.instance is None else None,
+        "counts": sessions.selectors.session_state_counts() if page.instance is None else None,
         "sessions": [_session_row(s, page.now) for s in recent],
         "show_instance": page.instance is None,
     }
@@ -363,7 +363,7 @@ def _session_data(page: Page) -> dict:
 def _shardmaps_data(page: Page) -> dict:
     names = {i["url"]: i["name"] for i in _instances(page)}
     maps = []
-    for row in placement_selectors.shard_maps():
+    for row in placement.selectors.shard_maps():
         members = sorted({shard["instance"] for shard in row.shards})
         maps.append(
             {
@@ -376,7 +376,7 @@ def _shardmaps_data(page: Page) -> dict:
             }
         )
     operations = []
-    for operation in placement_selectors.recent_reshard_operations(RECENT):
+    for operation in placement.selectors.recent_reshard_operations(RECENT):
         operations.append(
             {
                 "id": operation.pk,
@@ -400,18 +400,18 @@ def _shardmaps_data(page: Page) -> dict:
 
 
 def _summary_data(page: Page) -> dict:
-    holders = page.once("holders", lambda: index_selectors.replicas_by_holder(now=page.now))
+    holders = page.once("holders", lambda: index.selectors.replicas_by_holder(now=page.now))
     return {
-        "instances": placement_selectors.instance_state_counts(),
+        "instances": placement.selectors.instance_state_counts(),
         "replicas": sum(h["replicas"] for h in holders),
         "replica_octets": sum(h["octets"] for h in holders),
         "holders": len(holders),
-        "sessions": session_selectors.session_state_counts(),
-        "failovers": session_selectors.failover_total(),
-        "directives": placement_selectors.directive_state_counts(),
-        "lookups": index_selectors.lookup_totals(page.now - LOOKUP_SUMMARY_WINDOW),
+        "sessions": sessions.selectors.session_state_counts(),
+        "failovers": sessions.selectors.failover_total(),
+        "directives": placement.selectors.directive_state_counts(),
+        "lookups": index.selectors.lookup_totals(page.now - LOOKUP_SUMMARY_WINDOW),
         "lookup_minutes": int(LOOKUP_SUMMARY_WINDOW.total_seconds() // 60),
-        "reshards": placement_selectors.reshard_phase_counts(),
+        "reshards": placement.selectors.reshard_phase_counts(),
     }
 
 

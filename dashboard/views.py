@@ -22,18 +22,18 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST, require_safe
 
+import index.selectors
+import index.services
+import placement.selectors
+import placement.services
+import sessions.selectors
 from dashboard import sections
 from dashboard.sections import Page
-from index import selectors as index_selectors
-from index import services as index_services
 from index.models import Tier
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from placement import resharding
-from placement import selectors as placement_selectors
-from placement import services as placement_services
 from placement.models import InstanceState
-from sessions import selectors as session_selectors
 from sessions.services import parse_session_id
 
 # How often a page asks for its live JSON.
@@ -146,7 +146,7 @@ def live_overview(request):
 
 
 def _instance_page(name: str) -> Page | None:
-    instance = placement_selectors.instance_by_name(name)
+    instance = placement.selectors.instance_by_name(name)
     if instance is None:
         return None
     return Page(timezone.now(), reverse("dashboard:instance", args=[name]), instance=instance)
@@ -187,7 +187,7 @@ def change_state(request, name: str):
         return _back(request, default)
     requested = request.POST.get("state", "")
     try:
-        changed = placement_services.do_change_state(name, requested)
+        changed = placement.services.do_change_state(name, requested)
     except ProtocolError as error:
         messages.error(request, f"{name}: {error.detail}")
         return _back(request, default)
@@ -206,7 +206,7 @@ def _session_page(session_id: str) -> tuple[Page | None, str]:
         key = parse_session_id(session_id)
     except ProtocolError:
         return None, f"{session_id!r} is not a session id (a UUID)."
-    session = session_selectors.session_by_id(key)
+    session = sessions.selectors.session_by_id(key)
     if session is None:
         return None, f"No session {key} is known."
     return Page(timezone.now(), reverse("dashboard:session", args=[key]), session=session), ""
@@ -222,7 +222,7 @@ def session(request, session_id: str):
     page, problem = _session_page(session_id)
     if page is None:
         return _missing(request, problem)
-    tokens = session_selectors.tokens(page.session, limit=TOKENS_SHOWN)
+    tokens = sessions.selectors.tokens(page.session, limit=TOKENS_SHOWN)
     return _render_page(
         request,
         "dashboard/session.html",
@@ -246,7 +246,7 @@ def live_session(request, session_id: str):
         after = parse_decimal(request.GET.get("after", "-1"), "after", minimum=-1)
     except ProtocolError as error:
         return JsonResponse({"detail": error.detail}, status=400)
-    tokens = session_selectors.tokens(page.session, after=after)[:TOKENS_PER_REFRESH]
+    tokens = sessions.selectors.tokens(page.session, after=after)[:TOKENS_PER_REFRESH]
     appended = render_to_string("dashboard/tokens.html", {"tokens": tokens}, request)
     return _live(
         request,
@@ -261,7 +261,7 @@ def live_session(request, session_id: str):
 
 
 def _holder_page(holder_id: int) -> Page | None:
-    holder = index_selectors.holder_by_id(holder_id)
+    holder = index.selectors.holder_by_id(holder_id)
     if holder is None:
         return None
     return Page(timezone.now(), reverse("dashboard:holder", args=[holder_id]), holder=holder)
@@ -280,7 +280,7 @@ def holder(request, holder_id: int):
     if tier_name and tier_name not in _TIERS:
         messages.error(request, f"{tier_name!r} is not a tier; showing every tier.")
         tier_name = ""
-    replicas = index_selectors.holder_replicas(
+    replicas = index.selectors.holder_replicas(
         holder_id, tier=_TIERS.get(tier_name), limit=sections.HOLDER_REPLICAS, now=page.now
     )
     return _render_page(
@@ -322,8 +322,8 @@ def withdraw_replicas(request, holder_id: int):
     if not chosen:
         messages.error(request, "Choose the replicas to withdraw first.")
         return _back(request, default)
-    withdrawn = index_services.do_withdraw_replicas(
-        index_selectors.replica_ids_at(holder_id, chosen)
+    withdrawn = index.services.do_withdraw_replicas(
+        index.selectors.replica_ids_at(holder_id, chosen)
     )
     messages.success(request, f"Withdrew {withdrawn} replica(s).")
     return _back(request, default)
@@ -340,7 +340,7 @@ def abort_reshard(request, operation_id: int):
     if not request.user.has_perm("placement.change_reshardoperation"):
         messages.error(request, "You may not abort reshards.")
         return _back(request, default)
-    operation = placement_selectors.reshard_operation(operation_id)
+    operation = placement.selectors.reshard_operation(operation_id)
     if operation is None:
         messages.error(request, f"No reshard operation {operation_id} is known.")
         return _back(request, default)

@@ -54,7 +54,7 @@ from kvsp.problems import ProtocolError
 from kvsp.states import (
     FIRST_SESSION_EPOCH,
     REQUESTABLE_INSTANCE_STATES,
-    DirectiveStatus,
+    DirectiveState,
     InstanceState,
 )
 
@@ -1450,15 +1450,15 @@ class PrefetchDirective(WireRecord, frozen=True, kw_only=True):
         return {"blocks": limits.max_block_keys}
 
 
-class DirectiveState(WireRecord, frozen=True, omit_defaults=False):
-    """GET {ii-base}prefetch/{directive} (6.5, DESIGN.md section 3): the state, the keys loaded
-    so far in prefix order, and a reason (for "partial" and "failed"; null otherwise, and
-    always present)."""
+class DirectiveStatusRecord(WireRecord, frozen=True, omit_defaults=False):
+    """The directive's status resource, GET {ii-base}prefetch/{directive} (6.5, DESIGN.md
+    section 3): the state (``states.DirectiveState``), the keys loaded so far in prefix order,
+    and a reason (for "partial" and "failed"; null otherwise, and always present)."""
 
-    NAME: ClassVar[str] = "directive state"
+    NAME: ClassVar[str] = "directive status"
 
     directive: Uuid
-    state: Annotated[str, _rule(_choice_rule(DirectiveStatus), {"enum": sorted(DirectiveStatus)})]
+    state: Annotated[str, _rule(_choice_rule(DirectiveState), {"enum": sorted(DirectiveState)})]
     loaded: Annotated[
         tuple[Hex32, ...], _rule("must be an array of block keys", {"uniqueItems": True})
     ]
@@ -1467,7 +1467,7 @@ class DirectiveState(WireRecord, frozen=True, omit_defaults=False):
     @_rules
     def __post_init__(self) -> None:
         _check_uuid(self.directive, ("directive",))
-        _check_choice(self.state, ("state",), frozenset(DirectiveStatus))
+        _check_choice(self.state, ("state",), frozenset(DirectiveState))
         _check_hex_list(self.loaded, ("loaded",), 32)
         _check_unique(self.loaded, ("loaded",), lambda k: k)
         if self.reason is not None:

@@ -192,8 +192,9 @@ REQUESTABLE_INSTANCE_STATES = frozenset({InstanceState.SLEEPING})
 # --- Prefetch directive states (spec 6.5, DESIGN.md section 3) --------------------------------
 
 
-class DirectiveStatus(StrEnum):
-    """The state of a prefetch directive (the record of it is ``records.DirectiveState``)."""
+class DirectiveState(StrEnum):
+    """The state of a prefetch directive, as its status resource reports it
+    (``records.DirectiveStatusRecord``)."""
 
     PENDING = "pending"
     PARTIAL = "partial"
@@ -212,12 +213,12 @@ class DirectiveEvent(StrEnum):
     LOAD_FAILED = "load-failed"
 
 
-_D = DirectiveStatus
+_D = DirectiveState
 _DE = DirectiveEvent
 
-DIRECTIVE_STATES: TransitionTable[DirectiveStatus, DirectiveEvent] = TransitionTable(
+DIRECTIVE_STATES: TransitionTable[DirectiveState, DirectiveEvent] = TransitionTable(
     "prefetch directive",
-    DirectiveStatus,
+    DirectiveState,
     DirectiveEvent,
     {
         _D.PENDING: {

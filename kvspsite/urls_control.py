@@ -5,10 +5,10 @@ from django.contrib import admin
 from django.urls import include, path
 
 from dashboard.views import favicon
-from kvspsite.urls_common import urlpatterns as common
+from kvspsite import urls_common
 
 urlpatterns = [
-    *common,
+    *urls_common.urlpatterns,
     path("kvsp/", include("index.api.urls")),
     path("kvsp/", include("placement.api.urls")),
     path("kvsp/", include("sessions.api.urls")),

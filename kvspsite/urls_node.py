@@ -2,9 +2,9 @@
 
 from django.urls import include, path
 
-from kvspsite.urls_common import urlpatterns as common
+from kvspsite import urls_common
 
 urlpatterns = [
-    *common,
+    *urls_common.urlpatterns,
     path("kvsp/", include("workers.api.urls")),
 ]

@@ -119,10 +119,10 @@ class StatusSample(models.Model):
 
 
 class DirectiveState(models.TextChoices):
-    PENDING = states.DirectiveStatus.PENDING.value
-    PARTIAL = states.DirectiveStatus.PARTIAL.value
-    COMPLETE = states.DirectiveStatus.COMPLETE.value
-    FAILED = states.DirectiveStatus.FAILED.value
+    PENDING = states.DirectiveState.PENDING.value
+    PARTIAL = states.DirectiveState.PARTIAL.value
+    COMPLETE = states.DirectiveState.COMPLETE.value
+    FAILED = states.DirectiveState.FAILED.value
 
 
 # Where a directive's block finds its sources in Directive.sources: uint32, little-endian.

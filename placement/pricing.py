@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from django.conf import settings
 
-from index import selectors as index_selectors
+from index.selectors import matched_prefix_of_groups, replica_groups
 from kvsp import cost, pricing
 from placement.selectors import Candidate, LiveStatus, candidates, matched_block_table
 
@@ -108,10 +108,10 @@ def price_prefix(
     Replicas at ``exclude_holders`` (URLs) are no source. ``lap`` is called with "lookup" once
     the prefix is matched, so that a caller can tell the lookup's time from the pricing's.
     """
-    groups = index_selectors.replica_groups(principal, compat_id, scope_id, keys, now=now)
+    groups = replica_groups(principal, compat_id, scope_id, keys, now=now)
     if exclude_holders:
         groups = [group for group in groups if group.holder not in exclude_holders]
-    matched = index_selectors.matched_prefix_of_groups(len(keys), groups)
+    matched = matched_prefix_of_groups(len(keys), groups)
     blocks = matched_block_table(keys, groups, matched)
     if lap is not None:
         lap("lookup")

@@ -36,19 +36,18 @@ from common.api import require_object
 from common.peers import PeerUnreachable, call, peer_client
 from common.tasks import enqueue
 from index.models import CompatDescriptor
-from kvsp import sharding
+from kvsp import records, sharding
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from kvsp.records import DEFAULT_LIMITS, UINT32_MAX, InvalidRecord, ReshardPlan
-from kvsp.records import ShardMap as ShardMapRecord
 from kvsp.states import RESHARD_PHASES, ReshardEvent
 from placement.models import ReshardOperation, ReshardPhase, ShardMap
 
 log = logging.getLogger(__name__)
 
 
-def _record(row: ShardMap) -> ShardMapRecord:
-    return ShardMapRecord.from_json(row.document())
+def _record(row: ShardMap) -> records.ShardMap:
+    return records.ShardMap.from_json(row.document())
 
 
 # --- The context of a Shard Map ----------------------------------------------------------------
@@ -114,7 +113,7 @@ class ShardContext:
         """How many tokens the keyed blocks cover, from token 0."""
         return len(self.block_keys) * self.block_tokens
 
-    def check_shards(self, record: ShardMapRecord, path: tuple = ("shards",)) -> None:
+    def check_shards(self, record: records.ShardMap, path: tuple = ("shards",)) -> None:
         """Every shard on block boundaries and within the keyed blocks."""
         size = self.block_tokens
         for index, shard in enumerate(record.shards):
@@ -176,14 +175,14 @@ def _context_of(row: ShardMap) -> ShardContext | None:
     return None if row.context is None else ShardContext.from_json(row.context)
 
 
-def _checked_context(value: object, *records: ShardMapRecord) -> ShardContext | None:
+def _checked_context(value: object, *maps: records.ShardMap) -> ShardContext | None:
     """The context a request gives (None when it gives none), checked against the shards of
-    ``records`` and against the registered descriptor."""
+    ``maps`` and against the registered descriptor."""
     if value is None:
         return None
     context = ShardContext.from_json(value)
-    for record in records:
-        context.check_shards(record)
+    for shard_map in maps:
+        context.check_shards(shard_map)
     context.check_registered()
     return context
 
@@ -195,7 +194,7 @@ def do_put_shard_map(map_id: str, body: object) -> tuple[ShardMap, bool]:
     moving between versions is what POST reshard is for, so this only sets a map directly when
     nothing is in flight (an operator taking over a group).
     """
-    record = ShardMapRecord.from_json(body)
+    record = records.ShardMap.from_json(body)
     if record.map != map_id:
         raise ProtocolError("kvsp-malformed-request", "map in the body differs from the path")
     context = _checked_context(body.get("context"), record)
@@ -252,7 +251,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
         if row.operations.filter(phase=ReshardPhase.PREPARING).exists():
             raise ProtocolError("kvsp-conflict", f"a reshard of {map_id} is under way")
         current = _record(row)
-        following = ShardMapRecord.from_json(
+        following = records.ShardMap.from_json(
             {"map": map_id, "version": current.version + 1, "shards": shards}
         )
         context = _context_of(row)

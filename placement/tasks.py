@@ -17,7 +17,7 @@ from common.peers import call, peer_client, raise_for_problem
 from common.tasks import add_housekeeping, kvsp_task
 from kvsp import fetchplan
 from kvsp.problems import ProtocolError
-from kvsp.records import DirectiveState as DirectiveStateRecord
+from kvsp.records import DirectiveStatusRecord
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
 from placement import delivery, resharding, services
 from placement.models import (
@@ -66,19 +66,19 @@ def poll_directive(directive_id: int) -> str:
     try:
         with peer_client() as client:
             response = raise_for_problem(call(client, "GET", url))
-        state = DirectiveStateRecord.from_json(response.json())
+        status = DirectiveStatusRecord.from_json(response.json())
     except ProtocolError as error:
         # The instance does not know the directive (it restarted, say) or answers nonsense.
         delivery.finish_directive(directive.pk, DirectiveEvent.LOAD_FAILED, reason=error.detail)
         return "failed"
     Directive.objects.filter(pk=directive_id).update(polled_at=timezone.now())
-    if state.state != DirectiveState.PENDING:
+    if status.state != DirectiveState.PENDING:
         # The instance's directive took this event: the row here follows it.
-        event = DIRECTIVE_STATES.event_between(directive.state, state.state)
+        event = DIRECTIVE_STATES.event_between(directive.state, status.state)
         delivery.finish_directive(
-            directive.pk, event, loaded=list(state.loaded), reason=state.reason or ""
+            directive.pk, event, loaded=list(status.loaded), reason=status.reason or ""
         )
-        return state.state
+        return status.state
     waited_ms = (timezone.now() - directive.created_at).total_seconds() * 1000
     # The instance stops at the deadline itself; past it (with slack) stop asking.
     if waited_ms > directive.deadline_ms + 30_000:

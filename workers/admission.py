@@ -27,7 +27,7 @@ from django.utils import timezone
 from kvsp.container import Container
 from kvsp.problems import ProtocolError
 from kvsp.registries import RAW_CODEC, lookup_codec
-from workers import control, eviction, selectors, tiers
+from workers import control_plane, eviction, selectors, tiers
 from workers.instance import lock_node
 from workers.models import MovePhase, PendingWithdrawal, ReshardMove, StoredBlock
 from workers.replicas import PUBLISH_RETRY, publish_all, publish_on_commit
@@ -210,7 +210,7 @@ def check_container(container: Container, compat_id: bytes) -> None:
             f"the container starts at layer {container.first_layer}; a stored block holds "
             "its layers from layer 0",
         )
-    geometry = control.geometry(compat_id)
+    geometry = control_plane.geometry(compat_id)
     if geometry is not None:
         geometry.check(container)
 
@@ -385,7 +385,7 @@ def prepare_device_copy(ids: BlockIds, container: Container, device_tier) -> Cal
     """The device tier's working copy of a loaded block's leading layers, made before the block
     is admitted (so the copying holds up nobody), when the compat's geometry is known; the
     function that installs it."""
-    geometry = control.geometry(ids[0]) if device_tier is not None else None
+    geometry = control_plane.geometry(ids[0]) if device_tier is not None else None
     if geometry is None:
         return None
     geometry.check(container)

@@ -36,7 +36,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
-from workers import control, selectors, tiers
+from workers import control_plane, selectors, tiers
 from workers.instance import lock_node
 from workers.models import StoredBlock
 from workers.replicas import publish_on_commit, withdraw_many
@@ -301,7 +301,7 @@ def do_evict_after_fault(block: StoredBlock, reason: str) -> bool:
         return False
     # "MUST first withdraw" (6.6); outside the lock, as every withdrawal (``withdraw_many``).
     # One that fails now is owed by the eviction below.
-    control.withdraw_replicas([block.ids])
+    control_plane.withdraw_replicas([block.ids])
     with transaction.atomic():
         lock_node(block.instance)
         current = StoredBlock.objects.filter(pk=block.pk).first()

@@ -6,22 +6,26 @@ The container arrives in ascending layer order (4.3). Each layer is checked agai
 digest of the source's Replica Record the moment it completes, the whole representation against
 ``Repr-Digest``, and the layer digests against the replica digest. A block that fails any check
 is refused as a whole; nothing of it is kept.
+
+Requests go through the peer client (``common.peers``: httpx for leases and stores,
+``BlockConnections`` for the GETs) and fail as its policy says: a holder out of reach, one that
+does not answer in time or answers 5xx is ``PeerUnreachable`` (worth asking again later, or
+another source now); a refusal with problem details, or octets that fail a check, a
+``ProtocolError`` (final). Two answers mean more here: a 404 is a miss (``SourceMiss``, 6.1),
+and a transport failure once the caller's deadline has passed is ``DeadlineExpired``.
 """
 
 from __future__ import annotations
 
-import http.client
-import ssl
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 import orjson
 
+from common.peers import BlockConnections, PeerUnreachable, call, problem_details, refusal
 from kvsp.container import (
     MEDIA_TYPE,
     Container,
@@ -30,7 +34,7 @@ from kvsp.container import (
     verify_replica_digest,
 )
 from kvsp.numerals import parse_decimal
-from kvsp.problems import ProtocolError, problem_name
+from kvsp.problems import ProtocolError
 from kvsp.records import LeaseGrant, LeaseRequest, ReplicaRecord
 from kvsp.reprdigest import (
     ALGORITHM,
@@ -40,8 +44,8 @@ from kvsp.reprdigest import (
 )
 from workers.links import Transfer
 
-# The media type of the KV Block Container (spec 11.1). This module needs nothing of Django,
-# so that any client can fetch and verify blocks with it.
+# The media type of the KV Block Container (spec 11.1). This module, and the peer client it
+# uses, read no Django setting, so that any client can fetch and verify blocks with it.
 KVSP_BLOCK = MEDIA_TYPE
 
 # What a holder answers a batch of blocks with (docs/api.md "Blocks in batches").
@@ -81,10 +85,6 @@ def _timeout(deadline: float | None, cap: float = 30.0) -> httpx.Timeout:
     return httpx.Timeout(_seconds(deadline, cap))
 
 
-def _problem(response: httpx.Response, what: str) -> ProtocolError:
-    return _problem_of(response.status_code, response.reason_phrase, response.content, what)
-
-
 def _bearer(token: str | None, headers: dict | None = None) -> dict:
     """``headers`` with ``Authorization: Bearer token``; a token of None leaves the client's."""
     headers = dict(headers or {})
@@ -93,10 +93,17 @@ def _bearer(token: str | None, headers: dict | None = None) -> dict:
     return headers
 
 
-def _transport(exc: httpx.HTTPError, what: str, deadline: float | None) -> Exception:
-    if deadline is not None and time.monotonic() >= deadline:
-        return DeadlineExpired("the deadline passed")
-    return ProtocolError("kvsp-upstream-error", f"{what}: {exc.__class__.__name__}")
+def _refused(status: int, reason: str, body: bytes, what: str) -> ProtocolError | PeerUnreachable:
+    """What a holder's answer that is not a success means: a 404 is a miss, the rest as the
+    peer client's policy says."""
+    if status == 404:
+        return SourceMiss(f"{what}: {status} (a miss)")
+    return refusal(status, problem_details(body), what, reason)
+
+
+def _passed(deadline: float | None) -> bool:
+    """A holder out of reach once the deadline has passed is the deadline's doing."""
+    return deadline is not None and time.monotonic() >= deadline
 
 
 @dataclass(frozen=True)
@@ -119,27 +126,30 @@ def take_lease(
     what = f"lease at {holder}"
     started = time.perf_counter()
     try:
-        response = client.post(
+        response = call(
+            client,
+            "POST",
             f"{holder}leases",
             json=request.to_json(),
             headers=_bearer(token),
             timeout=_timeout(deadline, 10.0),
         )
-    except httpx.HTTPError as exc:
-        raise _transport(exc, what, deadline) from exc
+    except PeerUnreachable as exc:
+        if _passed(deadline):
+            raise DeadlineExpired("the deadline passed") from exc
+        raise
     elapsed = time.perf_counter() - started
     if response.status_code != 201:
-        raise _problem(response, what)
+        raise _refused(response.status_code, response.reason_phrase, response.content, what)
     return Lease(holder, LeaseGrant.from_json(response.json()), elapsed)
 
 
 def release_lease(client: httpx.Client, lease: Lease, *, token: str | None = None) -> None:
     """DELETE the lease; a lease the holder has already let go of is fine."""
+    url = f"{lease.holder}leases/{lease.grant.lease}"
     try:
-        client.delete(
-            f"{lease.holder}leases/{lease.grant.lease}", headers=_bearer(token), timeout=5.0
-        )
-    except httpx.HTTPError:
+        call(client, "DELETE", url, headers=_bearer(token), timeout=5.0)
+    except (PeerUnreachable, ProtocolError):
         pass  # it expires on its own after its TTL
 
 
@@ -160,152 +170,6 @@ class FetchedBlock:
     @property
     def size(self) -> int:
         return len(self.buffer)
-
-
-class BlockConnections:
-    """Kept-alive HTTP/1.1 connections for block GETs, shared by any number of threads: each
-    GET takes an idle connection to its origin (or opens one) and gives it back once the body
-    is read to its end.
-
-    The standard library's client rather than httpx for this one request, the loader's
-    hundreds per second: it costs a fraction of httpx's CPU per request, which on a node's few
-    cores is time taken from the GETs in flight beside it, and it hands a body over as the
-    socket delivers it, with none of httpx's re-chunking.
-    """
-
-    def __init__(self, headers: dict[str, str] | None = None):
-        self.headers = dict(headers or {})
-        self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
-        self._lock = threading.Lock()
-        self._tls: ssl.SSLContext | None = None
-
-    def __enter__(self) -> BlockConnections:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, {}
-        for connections in idle.values():
-            for connection in connections:
-                connection.close()
-
-    def get(self, url: str, headers: dict[str, str], timeout: float):
-        """GET ``url``; the response, whose body the caller reads with ``readinto``. The
-        connection goes back to the idle ones only when its response was read to the end."""
-        return self.request("GET", url, headers, timeout)
-
-    @contextmanager
-    def request(
-        self, method: str, url: str, headers: dict[str, str], timeout: float, body=None
-    ) -> Iterator[_Response]:
-        """``method`` on ``url`` with ``body``, as ``get``: only for requests that are safe to
-        send again (a GET, or a POST that only reads, such as a batch of blocks)."""
-        parts = urlsplit(url)
-        if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
-            raise ProtocolError("kvsp-upstream-error", f"not an http(s) URL: {url}")
-        origin = (parts.scheme, parts.hostname, parts.port or _DEFAULT_PORTS[parts.scheme])
-        target = parts.path + (f"?{parts.query}" if parts.query else "")
-        fields = {**self.headers, **headers}
-        connection, reused = self._take(origin, timeout)
-        response = None
-        try:
-            try:
-                connection.request(method, target, body=body, headers=fields)
-                raw = connection.getresponse()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                if not reused:
-                    raise
-                # The origin closed the idle connection meanwhile: the request is safe to send
-                # again.
-                connection.close()
-                connection, _ = self._take(origin, timeout, fresh=True)
-                connection.request(method, target, body=body, headers=fields)
-                raw = connection.getresponse()
-            response = _Response(raw)
-            yield response
-        finally:
-            if response is not None and response.reusable:
-                self._give_back(origin, connection)
-            else:
-                connection.close()
-
-    def _take(
-        self, origin: tuple[str, str, int], timeout: float, *, fresh: bool = False
-    ) -> tuple[http.client.HTTPConnection, bool]:
-        if not fresh:
-            with self._lock:
-                idle = self._idle.get(origin)
-                connection = idle.pop() if idle else None
-            if connection is not None:
-                connection.timeout = timeout
-                if connection.sock is not None:
-                    connection.sock.settimeout(timeout)
-                return connection, True
-        scheme, host, port = origin
-        if scheme == "https":
-            if self._tls is None:
-                self._tls = ssl.create_default_context()
-            return http.client.HTTPSConnection(
-                host, port, timeout=timeout, context=self._tls
-            ), False
-        return http.client.HTTPConnection(host, port, timeout=timeout), False
-
-    def _give_back(self, origin: tuple[str, str, int], connection) -> None:
-        with self._lock:
-            self._idle.setdefault(origin, []).append(connection)
-
-
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-class _Response:
-    """What ``BlockConnections.get`` answers: the status, the fields, and the body."""
-
-    def __init__(self, raw: http.client.HTTPResponse):
-        self._raw = raw
-        self._abandoned = False
-        self.status_code = raw.status
-        self.reason_phrase = raw.reason
-        self.headers = raw.headers
-
-    @property
-    def reusable(self) -> bool:
-        """The body was read to its end and the origin keeps the connection open."""
-        return self._raw.isclosed() and not self._raw.will_close and not self._abandoned
-
-    def readinto(self, target: memoryview) -> int:
-        """Read the body into ``target`` until it is full or the body ends; the octets read.
-        Past what the client buffered, the socket writes into ``target`` itself."""
-        return self._raw.readinto(target)
-
-    def readline(self, limit: int) -> bytes:
-        """One line of the body, with its line end, of at most ``limit`` octets."""
-        return self._raw.readline(limit)
-
-    def read_all(self, limit: int = 1 << 16) -> bytes:
-        """The (short) body of an answer that is not a block, at most ``limit`` octets."""
-        data = self._raw.read(limit)
-        if not self._raw.isclosed():
-            self._abandoned = True  # octets are left unread: the connection is not reused
-        return data
-
-
-def _problem_of(status_code: int, reason: str, body: bytes, what: str) -> ProtocolError:
-    if status_code == 404:
-        return SourceMiss(f"{what}: {status_code} (a miss)")
-    name, detail = None, reason
-    try:
-        document = orjson.loads(body)
-        name = problem_name(str(document.get("type", "")))
-        detail = str(document.get("detail", detail))
-    except (orjson.JSONDecodeError, AttributeError):
-        pass
-    if status_code >= 500 or name is None:
-        name = "kvsp-upstream-error"
-    return ProtocolError(name, f"{what}: {status_code} {detail}")
 
 
 def fetch_block(
@@ -335,7 +199,7 @@ def fetch_block(
         with connections.get(url, headers, _seconds(deadline)) as response:
             head_s = time.perf_counter() - started
             if response.status_code != 200:
-                raise _problem_of(
+                raise _refused(
                     response.status_code, response.reason_phrase, response.read_all(), what
                 )
             length = parse_decimal(
@@ -360,8 +224,10 @@ def fetch_block(
                     "kvsp-invalid-container",
                     f"{what}: trailing octets after the container's {received.size} octets",
                 )
-    except (OSError, http.client.HTTPException) as exc:
-        raise _transport_failure(exc, what, deadline) from exc
+    except PeerUnreachable as exc:
+        if _passed(deadline):
+            raise DeadlineExpired("the deadline passed") from exc
+        raise
     return received.verified(expected, what, started, head_s)
 
 
@@ -370,12 +236,6 @@ def _check_expected(expected: ReplicaRecord) -> None:
         raise ProtocolError(
             "kvsp-upstream-error", "the source's record has no layer_digests to verify against"
         )
-
-
-def _transport_failure(exc: Exception, what: str, deadline: float | None) -> Exception:
-    if deadline is not None and time.monotonic() >= deadline:
-        return DeadlineExpired("the deadline passed")
-    return ProtocolError("kvsp-upstream-error", f"{what}: {exc.__class__.__name__}")
 
 
 @dataclass
@@ -475,7 +335,7 @@ _PROBLEM_OCTETS = 1 << 16
 
 
 class BatchRefused(Exception):
-    """The holder did not answer with the batch: ask for each block on its own. ``unsupported``
+    """The holder answered, not with the batch: ask for each block on its own. ``unsupported``
     when its answer says it has no such resource (a holder that speaks the spec alone), so that
     it is not asked for batches again."""
 
@@ -492,14 +352,15 @@ def fetch_blocks(
     max_size: int,
     token: str | None = None,
     deadline: float | None = None,
-) -> Iterator[tuple[ReplicaRecord, FetchedBlock | ProtocolError]]:
+) -> Iterator[tuple[ReplicaRecord, FetchedBlock | ProtocolError | PeerUnreachable]]:
     """Retrieve the blocks ``expected`` lists (one compat and scope, at ``holder``) in one
     request (docs/api.md "Blocks in batches"), each verified exactly as ``fetch_block`` verifies a
-    block: as each block's part completes, (its record, the verified block or the
-    ProtocolError it is refused with: a SourceMiss for a miss). Raises BatchRefused when the
-    holder answers otherwise than with the batch, ProtocolError when the answer breaks off or
-    is malformed (the blocks not yielded yet were not received), DeadlineExpired when the
-    deadline passes first."""
+    block: as each block's part completes, (its record, the verified block or why it is
+    refused: a ProtocolError, a SourceMiss for a miss, PeerUnreachable for a part that says
+    5xx). Raises BatchRefused when the holder answers 4xx or 501, or with something else than
+    the batch; PeerUnreachable when it is out of reach or answers another 5xx; ProtocolError
+    when the answer is malformed; DeadlineExpired when the deadline passes first. After any of
+    them, the blocks not yielded yet were not received."""
     for record in expected:
         _check_expected(record)
     first = expected[0]
@@ -513,6 +374,8 @@ def fetch_blocks(
             head_s = time.perf_counter() - started
             media_type, _, parameters = response.headers.get("Content-Type", "").partition(";")
             boundary = _boundary(parameters)
+            if response.status_code >= 500 and response.status_code != 501:
+                raise response.refusal(what)
             if (
                 response.status_code != 200
                 or media_type.strip().lower() != BATCH_MEDIA_TYPE
@@ -562,8 +425,10 @@ def fetch_blocks(
                 parts.end_part()
                 yield record, outcome
             parts.close()
-    except (OSError, http.client.HTTPException) as exc:
-        raise _transport_failure(exc, what, deadline) from exc
+    except PeerUnreachable as exc:
+        if _passed(deadline):
+            raise DeadlineExpired("the deadline passed") from exc
+        raise
 
 
 def _boundary(parameters: str) -> str | None:
@@ -610,17 +475,19 @@ class _Parts:
     def body(self, length: int) -> _PartBody:
         return _PartBody(self._response, length)
 
-    def problem(self, length: int, part: str) -> ProtocolError:
-        """The problem details a part carries instead of a block."""
+    def problem(self, length: int, part: str) -> ProtocolError | PeerUnreachable:
+        """What the problem details a part carries instead of a block mean."""
         if length > _PROBLEM_OCTETS:
             raise self._malformed("a part's problem details are too long")
         body = _PartBody(self._response, length)
         document = body.read_all()
         self.end_part()
-        status = 502
+        status = None
         with suppress(orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-            status = int(orjson.loads(document).get("status", 502))
-        return _problem_of(status, "", document, part)
+            status = int(orjson.loads(document).get("status"))
+        if status is None:
+            return self._malformed(f"{part}: neither a block nor problem details with a status")
+        return _refused(status, "", document, part)
 
     def end_part(self) -> None:
         if self._response.readline(3) != b"\r\n":
@@ -684,20 +551,20 @@ def store_block(
 ) -> bool:
     """PUT the container ``octets`` on the block resource at ``holder`` with If-None-Match: *
     (6.7). True when the holder stored it, False when it already had a replica (412: the key
-    names the prefix, so its copy serves as well); ProtocolError for a refusal."""
+    names the prefix, so its copy serves as well); ProtocolError for a refusal, PeerUnreachable
+    for a holder out of reach or answering 5xx."""
     compat_id, scope_id, block_key = ids
     url = f"{holder}blocks/{compat_id.hex()}/{scope_id.hex()}/{block_key.hex()}"
-    try:
-        response = client.put(
-            url,
-            content=octets,
-            headers=_bearer(token, store_headers(sha256)),
-            timeout=30.0,
-        )
-    except httpx.HTTPError as exc:
-        raise _transport(exc, f"PUT {url}", None) from exc
+    response = call(
+        client,
+        "PUT",
+        url,
+        content=octets,
+        headers=_bearer(token, store_headers(sha256)),
+        timeout=30.0,
+    )
     if response.status_code == 412:
         return False
     if response.status_code != 201:
-        raise _problem(response, f"PUT {url}")
+        raise _refused(response.status_code, response.reason_phrase, response.content, f"PUT {url}")
     return True

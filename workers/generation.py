@@ -1,4 +1,5 @@
-"""Serving a session on the instance's worker (spec 6.8), once ``workers.sessions`` admitted it.
+"""Serving a session on the instance's worker (spec 6.8), once ``workers.served_sessions``
+admitted it.
 
 The prompt. Its Block Keys (4.2) are computed with the scope key. The longest prefix of the
 prompt's blocks the tier store holds is imported layer by layer from it (device-tier copies
@@ -63,9 +64,7 @@ from kvsp.problems import ProtocolError
 from kvsp.records import MAX_TOKENS_PARAM, GenerateRequest, Sampler, SessionCheckpoint
 from kvsp.states import ServedSessionEvent
 from kvsp.timeline import StepTimer
-from workers import admission, control, fetch, notices, replicas
-from workers import prefetch as prefetching
-from workers import sessions as served
+from workers import admission, control_plane, directives, fetch, notices, replicas, served_sessions
 from workers.models import Directive, DirectiveState, ServedSession, SessionKind, StoredBlock
 from workers.tiers import Geometry, HeldLayers
 
@@ -325,7 +324,9 @@ def prompt_logits(runtime, scope_id: bytes, compat_id: bytes, tokens, *, recompu
     tier store holds imported, the rest computed (all of it with ``recompute``). Returns the
     block and token counts and the logits as float32 octets, little-endian, in base64."""
     engine = _engine_for(runtime, compat_id)
-    keys = blockkeys.block_keys(control.scope_key(scope_id), compat_id, tokens, engine.block_tokens)
+    keys = blockkeys.block_keys(
+        control_plane.scope_key(scope_id), compat_id, tokens, engine.block_tokens
+    )
     served_prompt = serve_prompt(
         runtime, engine, compat_id, scope_id, keys, list(tokens), recompute=recompute
     )
@@ -406,7 +407,7 @@ class SessionRun:
         # nothing more goes out for it.
         self.writer.close(discard=event is ServedSessionEvent.SUPERSEDE)
         self.sequence = None
-        return served.do_finish(self.row.pk, event, reason, **self._progress())
+        return served_sessions.do_finish(self.row.pk, event, reason, **self._progress())
 
     def _serve(self) -> tuple[ServedSessionEvent, str]:
         try:
@@ -448,7 +449,7 @@ class SessionRun:
     def _begin_generation(self) -> None:
         request = GenerateRequest.from_json(self.row.body)
         engine, block_tokens = self.engine, self.engine.block_tokens
-        scope_key = control.scope_key(self.scope_id)
+        scope_key = control_plane.scope_key(self.scope_id)
         prompt = list(request.prompt)
         keys = blockkeys.block_keys(scope_key, self.compat_id, prompt, block_tokens)
         self.timer.lap("keys")
@@ -492,10 +493,10 @@ class SessionRun:
         self.timer.lap("prompt")
 
     def _begin_resume(self) -> None:
-        request = served.resume_request(self.session, self.row.body)
+        request = served_sessions.resume_request(self.session, self.row.body)
         checkpoint = request.checkpoint
         block_tokens = self.engine.block_tokens
-        scope_key = control.scope_key(self.scope_id)
+        scope_key = control_plane.scope_key(self.scope_id)
         prompt_keys = [bytes.fromhex(key) for key in checkpoint.prompt_blocks]
         after = list(checkpoint.prompt_tail) + list(checkpoint.covered_generated)
         self.chain = blockkeys.BlockKeyChain(
@@ -513,7 +514,7 @@ class SessionRun:
         self.prompt_tail = checkpoint.prompt_tail
         self.generated = list(checkpoint.covered_generated)
         self.sampler = _token_sampler(checkpoint.sampler)
-        self.max_tokens = served.split_max_tokens(checkpoint.sampler)[1] or (
+        self.max_tokens = served_sessions.split_max_tokens(checkpoint.sampler)[1] or (
             self.engine.max_positions - self.sequence.length + len(self.generated)
         )
         self.timer.lap("prompt")
@@ -609,9 +610,7 @@ class SessionRun:
         for its blocks; an instance that cannot carry it out leaves it pending, and the import
         sees this thread end."""
         try:
-            prefetching.run_directive(
-                self.row.directive_id, self.runtime.device_tier, admitted=True
-            )
+            directives.run_directive(self.row.directive_id, self.runtime.device_tier, admitted=True)
         except Exception:  # noqa: BLE001 - the resume reports the blocks it lacks
             log.exception("session %s: loading the resume's blocks failed", self.session)
         finally:
@@ -626,7 +625,7 @@ class SessionRun:
         covered = len(self.generated)
         if not covered and not self.sampler.deterministic:
             return
-        have = self._call(control.delivered_indices, self.session)
+        have = self._call(control_plane.delivered_indices, self.session)
         if self.sampler.deterministic:
             self.delivered_earlier = {index for index in have if index >= covered}
         if not covered:
@@ -732,7 +731,7 @@ class SessionRun:
         # Everything drawn so far is covered by this checkpoint, so its tokens may go with it
         # whatever the sampler: the PC records the checkpoint before it takes them.
         items = self._releasable(offset, final) if release else []
-        self._call(partial(control.put_checkpoint, release=items), record, extensions)
+        self._call(partial(control_plane.put_checkpoint, release=items), record, extensions)
         if first:
             self.timer.lap("first_checkpoint")
         # The PC holds this checkpoint or one further on, under this epoch: everything drawn
@@ -741,7 +740,7 @@ class SessionRun:
         self.checkpoints += 1
         if items:
             self._released(items)
-        served.do_note_progress(self.row.pk, **self._progress())
+        served_sessions.do_note_progress(self.row.pk, **self._progress())
 
     def _post(self, *, final: bool) -> None:
         """Release the drawn tokens not yet sent: all of them for a deterministic sampler,
@@ -751,7 +750,7 @@ class SessionRun:
             limit = self.acknowledged or 0
         items = self._releasable(limit, final)
         if items:
-            self._call(control.post_output, self.session, items)
+            self._call(control_plane.post_output, self.session, items)
             self._released(items)
 
     def _releasable(self, limit: int, final: bool) -> list[dict]:
@@ -773,7 +772,7 @@ class SessionRun:
             self.first_token_at = timezone.now()
             self.timer.lap("first_post")
             self._store_prompt()
-            served.do_note_progress(self.row.pk, timings_us=self.timer.spent)
+            served_sessions.do_note_progress(self.row.pk, timings_us=self.timer.spent)
 
     def _store_prompt(self) -> None:
         """Write the prompt blocks computed here to the node's own tiers (their publication
@@ -914,8 +913,10 @@ def copy_to_session_holders(ids, encoded) -> bool:
     copied = False
     for holder in holders:
         try:
-            token = control.delegated_token(ids[1], holder)
-            fetch.store_block(control.holder_client(), holder, ids, octets, sha256, token=token)
+            token = control_plane.delegated_token(ids[1], holder)
+            fetch.store_block(
+                control_plane.holder_client(), holder, ids, octets, sha256, token=token
+            )
             copied = True
         except (ProtocolError, PeerUnreachable, fetch.DeadlineExpired) as error:
             log.warning("block %s not copied to %s: %s", ids[2].hex(), holder, error)
@@ -925,7 +926,7 @@ def copy_to_session_holders(ids, encoded) -> bool:
 def _token_sampler(record: Sampler):
     from workers.engines.samplers import TokenSampler
 
-    params = served.split_max_tokens(record)[0]
+    params = served_sessions.split_max_tokens(record)[0]
     return TokenSampler(record.method, params, seed=record.seed, step=record.step)
 
 
@@ -935,11 +936,11 @@ def serve(session_pk: int, runtime) -> str:
     row = ServedSession.objects.filter(pk=session_pk).first()
     if row is None:
         return "gone"
-    if not served.do_start(session_pk, runtime.epoch if runtime is not None else 0):
+    if not served_sessions.do_start(session_pk, runtime.epoch if runtime is not None else 0):
         return ServedSession.objects.get(pk=session_pk).state
     row.refresh_from_db()
     if runtime is None:
-        return served.do_finish(
+        return served_sessions.do_finish(
             session_pk, ServedSessionEvent.FAIL, "this worker does not serve the node's queue"
         )
     return SessionRun(row, runtime).run()

@@ -20,10 +20,10 @@ verifying its octets:
   one request answers up to ``BATCH_GET_BLOCKS`` blocks, or ``BATCH_GET_OCTETS``, each part
   verified as its own GET would be), as many batches as there are fetchers at least; a source
   that answers no batch is asked block by block, with one GET each, from then on;
-- ``parallel`` fetchers share one pool of kept-alive connections (``fetch.BlockConnections``,
-  which reads each body from the socket straight into its container's buffer), so requests are
-  in flight together and one block's verification (hashlib releases the GIL on large buffers)
-  overlaps the others' transfers;
+- ``parallel`` fetchers share one pool of kept-alive connections
+  (``common.peers.BlockConnections``, which reads each body from the socket straight into its
+  container's buffer), so requests are in flight together and one block's verification
+  (hashlib releases the GIL on large buffers) overlaps the others' transfers;
 - the calling thread admits what the fetchers have ready to the tier store as one batch, in one
   transaction under one lock of the node, and reports the batch (a directive's progress is one
   UPDATE per batch, and a generation waiting for the blocks may use them from then on); while
@@ -35,7 +35,11 @@ verifying its octets:
 
 Loading stops at the deadline, at a block no source can serve (keys are chained, 4.2: the blocks
 after it are of no use to a prefix) or, for a reshard move, when the move is decided meanwhile;
-what was fetched by then is still admitted.
+what was fetched by then is still admitted. A source fails a block as the peer client's policy
+says (``common.peers``): out of reach, too slow or answering 5xx is transient, a refusal with
+problem details or octets that fail a check final; either way the next source is tried. A block
+that failed at some source only transiently is a ``Failure`` that is ``transient``: loading it
+again later may succeed, which a directive's task does (``workers.directives``).
 """
 
 from __future__ import annotations
@@ -50,10 +54,10 @@ from dataclasses import dataclass, field
 from django.conf import settings
 from django.db import connections
 
-from common.peers import PeerUnreachable, peer_client
+from common.peers import BlockConnections, PeerUnreachable, peer_client
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseRequest, ReplicaRecord
-from workers import admission, control, fetch, replicas, tiers
+from workers import admission, control_plane, fetch, replicas, tiers
 from workers.links import LinkMeter
 
 log = logging.getLogger(__name__)
@@ -84,11 +88,13 @@ class Wanted:
 
 @dataclass
 class Failure:
-    """Why a block could not be loaded: (source, reason) for every source tried."""
+    """Why a block could not be loaded: (source, reason) for every source tried. ``transient``
+    when a source failed it for a reason that may pass (out of reach, 5xx)."""
 
     index: int
     block_key: str
     reasons: list[tuple[str, str]] = field(default_factory=list)
+    transient: bool = False
 
     def detail(self) -> str:
         tried = "; ".join(f"{source}: {reason}" for source, reason in self.reasons)
@@ -96,7 +102,12 @@ class Failure:
 
 
 class _Refused(Exception):
-    """One source could not serve one block (the next source is tried)."""
+    """One source could not serve one block (the next source is tried); ``transient`` when
+    the reason may pass (the source, or the control plane, out of reach or answering 5xx)."""
+
+    def __init__(self, reason: str, *, transient: bool = False):
+        super().__init__(reason)
+        self.transient = transient
 
 
 @dataclass
@@ -194,7 +205,7 @@ class Loader:
         self._stop = threading.Event()
         self._arrivals: queue.Queue = queue.Queue(maxsize=AHEAD_BLOCKS)
         self._running = 0  # fetchers that have not said _DONE yet
-        self._connections: fetch.BlockConnections | None = None
+        self._connections: BlockConnections | None = None
         self._unbatched: set[str] = set()  # sources that answer no batch of blocks
         self._publisher = _Publisher(f"{label}-publish")
 
@@ -213,7 +224,7 @@ class Loader:
         # the scope and that source (DESIGN.md section 6), which grants nothing beyond them.
         # Leases and releases through httpx; the GETs, the bulk of the requests, through
         # kept-alive connections that read each body straight into its container's buffer.
-        self._connections = fetch.BlockConnections()
+        self._connections = BlockConnections()
         with peer_client(token="") as client, self._connections:
             # Each source's token and lease are asked for while the IS is asked for the
             # records: the first GETs wait for neither round trip after the other.
@@ -263,7 +274,7 @@ class Loader:
         """The records of the blocks to load, in one lookup (6.2); a block past the matched
         prefix of the list is asked for on its own when it is loaded."""
         try:
-            self._expected = control.lookup(self.compat_id, self.scope_id, keys)
+            self._expected = control_plane.lookup(self.compat_id, self.scope_id, keys)
         except (PeerUnreachable, ProtocolError) as exc:
             log.warning("%s: lookup failed (%s)", self.label, exc)
 
@@ -407,8 +418,8 @@ class Loader:
                 if isinstance(outcome, admission.LoadedBlock):
                     self._arrivals.put(_Arrival(item, outcome))
                 else:
-                    source, reason = outcome
-                    self._load(client, item, [(source, reason)], after=source)
+                    source, refused = outcome
+                    self._load(client, item, [(source, refused)], after=source)
                 if self._stop.is_set():
                     return
         except fetch.DeadlineExpired:
@@ -424,7 +435,7 @@ class Loader:
                 self._load(client, item)
 
     def _fetch_batch(self, client, batch: list[Wanted]):
-        """(block, its LoadedBlock or the (source, reason) it was refused for) for the blocks
+        """(block, its LoadedBlock or the (source, _Refused) it was refused with) for the blocks
         of ``batch`` that its first source answered in one request; none when it could not be
         asked for them so (a single block, an unknown record, no lease, no token, no batches
         at that source) or answered otherwise."""
@@ -452,31 +463,31 @@ class Loader:
                 deadline=self.deadline,
             ):
                 item = items[record.block_key]
-                if isinstance(outcome, ProtocolError):
-                    yield item, (source, self._refusal(item.block_key, source, outcome))
+                if isinstance(outcome, ProtocolError | PeerUnreachable):
+                    yield item, (source, self._refused(item.block_key, source, outcome))
                     continue
                 try:
                     yield item, self._keep(item.block_key, source, outcome)
                 except _Refused as exc:
-                    yield item, (source, str(exc))
+                    yield item, (source, exc)
         except fetch.BatchRefused as exc:
             if exc.unsupported:
                 self._unbatched.add(source)
             log.info("%s: %s: block by block", self.label, exc)
-        except ProtocolError as exc:
-            log.warning("%s: a batch from %s broke off: %s", self.label, source, exc.detail)
+        except (ProtocolError, PeerUnreachable) as exc:
+            log.warning("%s: a batch from %s broke off: %s", self.label, source, exc)
 
     def _load(
         self,
         client,
         item: Wanted,
-        reasons: list[tuple[str, str]] | None = None,
+        refusals: list[tuple[str, _Refused]] | None = None,
         *,
         after: str | None = None,
     ) -> None:
         """Load ``item`` on its own from its sources in order (those after ``after`` when
-        given), adding to ``reasons`` why each refused it."""
-        reasons = list(reasons or [])
+        given), adding to ``refusals`` why each refused it."""
+        refusals = list(refusals or [])
         sources = list(item.sources)
         if after is not None:
             sources = sources[sources.index(after) + 1 :]
@@ -485,7 +496,7 @@ class Loader:
                 try:
                     block = self._load_from(client, item.block_key, source)
                 except _Refused as exc:
-                    reasons.append((source, str(exc)))
+                    refusals.append((source, exc))
                     continue
                 self._arrivals.put(_Arrival(item, block))
                 return
@@ -493,14 +504,24 @@ class Loader:
             self.deadline_hit = True
             self._stop.set()
             return
-        self._fail(Failure(item.index, item.block_key, reasons))
+        self._fail(
+            Failure(
+                item.index,
+                item.block_key,
+                [(source, str(refused)) for source, refused in refusals],
+                transient=any(refused.transient for _, refused in refusals),
+            )
+        )
 
     def _token(self, source: str) -> str:
         """The delegated token for this scope at ``source``; _Refused when there is none."""
         try:
-            return control.delegated_token(self.scope_id, source)
+            return control_plane.delegated_token(self.scope_id, source)
         except (PeerUnreachable, ProtocolError) as exc:
-            raise _Refused(f"the control plane gave no token for it ({exc})") from exc
+            raise _Refused(
+                f"the control plane gave no token for it ({exc})",
+                transient=isinstance(exc, PeerUnreachable),
+            ) from exc
 
     def _release(self, client, source: str, lease: fetch.Lease) -> None:
         try:
@@ -513,9 +534,14 @@ class Loader:
         records = self._expected.get(block_key)
         if records is None or source not in records:
             try:
-                records = control.replicas(self.compat_id, self.scope_id, bytes.fromhex(block_key))
+                records = control_plane.replicas(
+                    self.compat_id, self.scope_id, bytes.fromhex(block_key)
+                )
             except (PeerUnreachable, ProtocolError) as exc:
-                raise _Refused(f"the Index Service could not say where it is ({exc})") from exc
+                raise _Refused(
+                    f"the Index Service could not say where it is ({exc})",
+                    transient=isinstance(exc, PeerUnreachable),
+                ) from exc
             with self._lock:
                 self._expected[block_key] = records
         return records.get(source)
@@ -550,7 +576,7 @@ class Loader:
                     self._leases[source] = fetch.take_lease(
                         client, source, request, token=self._token(source), deadline=self.deadline
                     )
-                except (ProtocolError, _Refused) as exc:
+                except (ProtocolError, PeerUnreachable, _Refused) as exc:
                     log.info(
                         "%s: lease at %s refused (%s): block by block",
                         self.label,
@@ -591,20 +617,24 @@ class Loader:
                 token=token,
                 deadline=self.deadline,
             )
-        except ProtocolError as exc:
-            raise _Refused(self._refusal(block_key, source, exc)) from exc
+        except (ProtocolError, PeerUnreachable) as exc:
+            raise self._refused(block_key, source, exc) from exc
         finally:
             if lease is not None:
                 fetch.release_lease(client, lease, token=token)
         return self._keep(block_key, source, fetched)
 
-    def _refusal(self, block_key: str, source: str, exc: ProtocolError) -> str:
+    def _refused(
+        self, block_key: str, source: str, exc: ProtocolError | PeerUnreachable
+    ) -> _Refused:
         """Why ``source`` did not give ``block_key``, logged; a token it refused is not
         presented again."""
-        log.warning("%s: block %s from %s refused: %s", self.label, block_key, source, exc.detail)
+        log.warning("%s: block %s from %s refused: %s", self.label, block_key, source, exc)
+        if isinstance(exc, PeerUnreachable):
+            return _Refused(str(exc), transient=True)
         if exc.problem == "kvsp-unauthenticated":
-            control.forget_delegated_token(self.scope_id, source)
-        return exc.detail
+            control_plane.forget_delegated_token(self.scope_id, source)
+        return _Refused(exc.detail)
 
     def _keep(self, block_key: str, source: str, fetched: fetch.FetchedBlock):
         """A verified block, checked (``check``), its device copy prepared and its octets
@@ -617,7 +647,7 @@ class Loader:
             if self.pending_move_id is None:
                 install = admission.prepare_device_copy(ids, fetched.container, self.device_tier)
         except ProtocolError as exc:
-            raise _Refused(self._refusal(block_key, source, exc)) from exc
+            raise self._refused(block_key, source, exc) from exc
         fields = admission.BlockFields(
             codec=fetched.container.codec,
             size=fetched.size,

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from workers import control, selectors
+from workers import control_plane, selectors
 from workers.instance import lock_node
 from workers.models import PendingWithdrawal, StoredBlock
 from workers.tiers import BlockIds
@@ -58,7 +58,7 @@ def _residency_key(block: StoredBlock) -> tuple:
 
 def publish_all(pks: list[int]) -> int:
     """Publish the records of blocks as they stand, outside the node's lock, in as few requests
-    as the IS takes (``control.publish_replicas``), and make sure the IS is not left with a
+    as the IS takes (``control_plane.publish_replicas``), and make sure the IS is not left with a
     record the node no longer stands by: a block evicted while its record travelled is
     withdrawn again; one that moved is published again with its new residency. Blocks gone,
     or not replicas yet (their move's commit publishes them), are skipped. Returns how many
@@ -70,7 +70,7 @@ def publish_all(pks: list[int]) -> int:
         if not blocks:
             break
         asked_at = timezone.now()
-        outcomes = control.publish_replicas([selectors.replica_record(b) for b in blocks])
+        outcomes = control_plane.publish_replicas([selectors.replica_record(b) for b in blocks])
         _note_published(blocks, outcomes, asked_at)
         published = {b.pk for b, outcome in zip(blocks, outcomes, strict=True) if outcome.published}
         pending = []
@@ -154,7 +154,7 @@ def _deliver_withdrawals(name: str, block_keys: list[bytes] | None = None, limit
     before = held()
     due = [o for o in owed if ids_of[o.pk] not in before]
     PendingWithdrawal.objects.filter(pk__in=[o.pk for o in owed if ids_of[o.pk] in before]).delete()
-    errors = control.withdraw_replicas([ids_of[o.pk] for o in due]) if due else []
+    errors = control_plane.withdraw_replicas([ids_of[o.pk] for o in due]) if due else []
     delivered = [o.pk for o, error in zip(due, errors, strict=True) if error is None]
     failed = [o.pk for o, error in zip(due, errors, strict=True) if error is not None]
     if failed:

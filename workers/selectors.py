@@ -14,8 +14,7 @@ from django.utils import timezone
 from common.permissions import may_read_scope
 from kvsp.container import format_digest
 from kvsp.problems import ProtocolError
-from kvsp.records import DirectiveState as DirectiveStateRecord
-from kvsp.records import Link, ReplicaRecord, ResidencyEntry
+from kvsp.records import DirectiveStatusRecord, Link, ReplicaRecord, ResidencyEntry
 from workers import tiers
 from workers.models import Directive, Lease, MeasuredLink, StoredBlock
 
@@ -317,8 +316,8 @@ def remaining_record_s(block: StoredBlock, now: datetime | None = None) -> int:
     return max(int(remaining.total_seconds()), 0)
 
 
-def directive_state(row: Directive) -> DirectiveStateRecord:
-    return DirectiveStateRecord(
+def directive_status(row: Directive) -> DirectiveStatusRecord:
+    return DirectiveStatusRecord(
         directive=str(row.directive),
         state=row.state,
         loaded=tuple(row.loaded),

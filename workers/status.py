@@ -18,7 +18,7 @@ from common.peers import PeerUnreachable
 from common.tasks import instance_queue
 from kvsp.problems import ProtocolError
 from kvsp.records import InstanceStatusRecord
-from workers import admission, control, instance, leases, replicas, reshard_moves, selectors
+from workers import admission, control_plane, instance, leases, replicas, reshard_moves, selectors
 from workers.models import NodeState
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class StatusReporter(_Loop):
             self.writes.submit(instance.do_enter_sleep_if_drained, runtime.name, 0)
         record = status_record(runtime, node.state, running, queued)
         try:
-            state = control.report_status(runtime.name, record)
+            state = control_plane.report_status(runtime.name, record)
         except ProtocolError as exc:
             self.writes.submit(instance.do_note_report, runtime.name, exc.detail)
             if exc.problem == "kvsp-stale-epoch":

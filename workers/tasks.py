@@ -5,15 +5,20 @@ from __future__ import annotations
 
 from common.tasks import kvsp_task
 from kvsp.problems import ProtocolError
-from workers import generation, resharding, runtime
-from workers import prefetch as prefetching
+from workers import directives, generation, resharding, runtime
 
 
-@kvsp_task(name="workers.prefetch", max_retries=3, time_limit=900)
-def prefetch(directive_pk: int) -> str:
-    """Carry out a prefetch directive (spec 6.5); a finished one is left as it is."""
+@kvsp_task(name="workers.prefetch", bind=True, max_retries=3, time_limit=900)
+def prefetch(self, directive_pk: int) -> str:
+    """Carry out a prefetch directive (spec 6.5); a finished one is left as it is. A block that
+    failed only for now (a source out of reach or answering 5xx) runs it again later, until the
+    last try fails it."""
     node = runtime.current()
-    return prefetching.run_directive(directive_pk, node.device_tier if node else None)
+    return directives.run_directive(
+        directive_pk,
+        node.device_tier if node else None,
+        retry_later=self.request.retries < self.max_retries,
+    )
 
 
 @kvsp_task(name="workers.load_reshard", max_retries=3, time_limit=900)

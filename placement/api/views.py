@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from common.api import require_object
 from common.permissions import IsController, IsControllerOrReadOnly
-from index import selectors as index_selectors
+from index.selectors import lookup
 from kvsp.problems import ProtocolError
 from kvsp.records import LookupRequest, PlacementRequest
 from placement import placements, resharding, services
@@ -37,8 +37,8 @@ class LookupView(APIView):
                 "kvsp-payload-too-large",
                 f"at most {settings.KVSP_MAX_LOOKUP_KEYS} block keys per lookup",
             )
-        lookup = LookupRequest.from_json(body, max_keys=settings.KVSP_MAX_LOOKUP_KEYS)
-        return Response(index_selectors.lookup(request.user, lookup, estimate=lookup_estimates))
+        asked = LookupRequest.from_json(body, max_keys=settings.KVSP_MAX_LOOKUP_KEYS)
+        return Response(lookup(request.user, asked, estimate=lookup_estimates))
 
 
 class InstanceStatusView(APIView):

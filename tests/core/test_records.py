@@ -21,7 +21,7 @@ from kvsp.records import (
     UINT32_MAX,
     UINT64_MAX,
     DirectiveBlock,
-    DirectiveState,
+    DirectiveStatusRecord,
     FetchRange,
     GenerateRequest,
     InstanceStatusRecord,
@@ -136,7 +136,7 @@ def directive_doc() -> dict:
     }
 
 
-def directive_state_doc() -> dict:
+def directive_status_doc() -> dict:
     return {"directive": DIRECTIVE, "state": "partial", "loaded": [K1], "reason": "deadline"}
 
 
@@ -197,7 +197,7 @@ DOCS = {
     InstanceStatusRecord: status_doc,
     SessionCheckpoint: checkpoint_doc,
     PrefetchDirective: directive_doc,
-    DirectiveState: directive_state_doc,
+    DirectiveStatusRecord: directive_status_doc,
     LeaseRequest: lease_request_doc,
     LeaseRenewal: lambda: {"ttl_ms": 5000},
     LeaseGrant: lease_grant_doc,
@@ -756,7 +756,7 @@ def test_checkpoint_token_limits():
     rejects(SessionCheckpoint, checkpoint_doc(), "prompt_blocks: has 2 entries; at most 1", limits)
 
 
-# --- Prefetch directive and directive state (6.5) ---------------------------------------------
+# --- Prefetch directive and directive status (6.5) ---------------------------------------------
 
 DIRECTIVE_REJECTS = [
     (("directive",), "a2b7c9e0", "directive: must be a UUID"),
@@ -809,16 +809,16 @@ def test_directive_accepts():
     ],
 )
 def test_directive_state_rejects(path, value, detail):
-    rejects(DirectiveState, edited(directive_state_doc(), path, value), detail)
+    rejects(DirectiveStatusRecord, edited(directive_status_doc(), path, value), detail)
 
 
 def test_directive_state_accepts():
     for state in ("pending", "partial", "complete", "failed"):
-        DirectiveState.from_json(edited(directive_state_doc(), ("state",), state))
-    record = DirectiveState.from_json(edited(directive_state_doc(), ("reason",), DELETE))
+        DirectiveStatusRecord.from_json(edited(directive_status_doc(), ("state",), state))
+    record = DirectiveStatusRecord.from_json(edited(directive_status_doc(), ("reason",), DELETE))
     assert record.reason is None
     assert record.to_json()["reason"] is None  # the member is always there (DESIGN.md 3)
-    DirectiveState.from_json(edited(directive_state_doc(), ("loaded",), []))
+    DirectiveStatusRecord.from_json(edited(directive_status_doc(), ("loaded",), []))
 
 
 # --- Leases (6.6) -----------------------------------------------------------------------------
@@ -1261,8 +1261,8 @@ directives = st.builds(
     lease_ms=positive_ints,
     request_ref=st.none() | texts,
 )
-directive_states = st.builds(
-    DirectiveState,
+directive_statuses = st.builds(
+    DirectiveStatusRecord,
     directive=uuids,
     state=st.sampled_from(["pending", "partial", "complete", "failed"]),
     loaded=st.lists(hex32, max_size=5, unique=True).map(tuple),
@@ -1334,7 +1334,7 @@ RECORD_STRATEGIES = {
     SessionCheckpoint: checkpoints(),
     Sampler: samplers(),
     PrefetchDirective: directives,
-    DirectiveState: directive_states,
+    DirectiveStatusRecord: directive_statuses,
     LeaseRequest: lease_requests,
     LeaseRenewal: st.builds(LeaseRenewal, positive_ints),
     LeaseGrant: lease_grants,

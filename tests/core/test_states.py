@@ -18,7 +18,7 @@ from kvsp.states import (
     SERVED_SESSION_STATES,
     SESSION_STATES,
     DirectiveEvent,
-    DirectiveStatus,
+    DirectiveState,
     EpochOutcome,
     EpochRole,
     InstanceEvent,
@@ -82,7 +82,7 @@ EXPECTED_RESHARD = {
 
 MACHINES = [
     (INSTANCE_LIFECYCLE, InstanceState, InstanceEvent, EXPECTED_INSTANCE),
-    (DIRECTIVE_STATES, DirectiveStatus, DirectiveEvent, EXPECTED_DIRECTIVE),
+    (DIRECTIVE_STATES, DirectiveState, DirectiveEvent, EXPECTED_DIRECTIVE),
     (SESSION_STATES, SessionState, SessionEvent, EXPECTED_SESSION),
     (SERVED_SESSION_STATES, ServedSessionState, ServedSessionEvent, EXPECTED_SERVED_SESSION),
     (RESHARD_PHASES, ReshardPhase, ReshardEvent, EXPECTED_RESHARD),

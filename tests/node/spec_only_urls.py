@@ -4,11 +4,11 @@ replicas/withdrawals``): every other route of the Index Service, and liveness an
 from django.urls import include, path
 
 from index.api.urls import urlpatterns as index_routes
-from kvspsite.urls_common import urlpatterns as common
+from kvspsite import urls_common
 
 BATCH_ROUTES = ("replicas", "replica-withdrawals")
 
 urlpatterns = [
-    *common,
+    *urls_common.urlpatterns,
     path("kvsp/", include([route for route in index_routes if route.name not in BATCH_ROUTES])),
 ]

@@ -115,8 +115,10 @@ class StandinHolder:
     ``requester_left[key]`` then says whether the requester had hung up by that time (the
     block is not sent to it). ``trickle_s[key]`` spreads a block over that many seconds;
     ``served[key]`` replaces the octets sent (with a Repr-Digest of what is sent), to inject a
-    block whose layers differ from its record. ``pace_mbit_per_s`` makes the holder a link of
-    that rate: the bodies of all GETs together leave no faster.
+    block whose layers differ from its record. ``answers[key]`` lists (status, problem details)
+    that the block's next GETs are answered with, one each, before it is served again: a holder
+    that is out of order for a while, or refuses. ``pace_mbit_per_s`` makes the holder a link
+    of that rate: the bodies of all GETs together leave no faster.
     ``received`` lists (method, path, Authorization field) of every request, in order: what a
     client hands whatever it takes for a holder; ``connections`` counts the connections they
     came over. It speaks only the spec: a POST of a batch of blocks (this project's extension)
@@ -128,6 +130,7 @@ class StandinHolder:
     def __init__(self):
         self.blocks: dict[str, bytes] = {}
         self.served: dict[str, bytes] = {}
+        self.answers: dict[str, list[tuple[int, dict]]] = {}
         self.held: dict[str, threading.Event] = {}
         self.requester_left: dict[str, bool] = {}
         self.trickle_s: dict[str, float] = {}
@@ -207,6 +210,8 @@ class StandinHolder:
             def do_GET(self):
                 key = self.path.rstrip("/").rsplit("/", 1)[-1].split("?")[0]
                 holder.gets.append(key)
+                if holder.answers.get(key):
+                    return self._json(*holder.answers[key].pop(0))
                 if key not in holder.blocks:
                     return self._json(404, {"type": "kvsp-not-found", "status": 404})
                 gate = holder.held.get(key)

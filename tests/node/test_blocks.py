@@ -514,6 +514,7 @@ def test_a_batch_needs_a_valid_token(cluster):
 
 
 def test_the_batch_client_verifies_every_part_and_refuses_only_the_bad_one(cluster):
+    from common.peers import BlockConnections
     from kvsp.records import ReplicaRecord
     from workers import fetch
 
@@ -532,7 +533,7 @@ def test_the_batch_client_verifies_every_part_and_refuses_only_the_bad_one(clust
     path.write_bytes(damaged)
     missing = ReplicaRecord.from_json({**records[0].to_json(), "block_key": random_key()})
     asked = [*records, missing]
-    with fetch.BlockConnections() as connections:
+    with BlockConnections() as connections:
         outcomes = list(
             fetch.fetch_blocks(
                 connections,

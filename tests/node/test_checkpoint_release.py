@@ -11,7 +11,7 @@ import pytest
 
 from kvsp.records import SessionCheckpoint
 from tests.support.standin import StandinNode
-from workers import control
+from workers import control_plane
 
 
 def checkpoint(session: str) -> SessionCheckpoint:
@@ -40,39 +40,39 @@ TOKENS = [{"epoch": 1, "index": 0, "token": 7}, {"epoch": 1, "index": 1, "token"
 
 
 @pytest.fixture
-def control_plane(settings):
+def standin(settings):
     with StandinNode() as standin:
         settings.KVSP_CONTROL_URL = standin.url
         settings.KVSP_TOKEN = "node-token"
         yield standin
 
 
-def test_tokens_go_with_the_checkpoint_when_the_control_plane_takes_them(control_plane):
+def test_tokens_go_with_the_checkpoint_when_the_control_plane_takes_them(standin):
     session = str(uuid.uuid4())
     path = f"/kvsp/sessions/{session}/checkpoint"
     taken = {"session": session, "epoch": 1, "stored": [0, 1], "duplicates": [], "delivered": 2}
     answer = {"session": session, "epoch": 1, "output_offset": 2, "output": taken}
-    control_plane.answers[("PUT", path)] = (200, answer)
-    assert control.put_checkpoint(checkpoint(session), release=TOKENS) == 2
-    (sent,) = control_plane.received("PUT", path)
+    standin.answers[("PUT", path)] = (200, answer)
+    assert control_plane.put_checkpoint(checkpoint(session), release=TOKENS) == 2
+    (sent,) = standin.received("PUT", path)
     assert sent["output"] == TOKENS and sent["output_offset"] == 2
-    assert control_plane.received("POST", f"/kvsp/sessions/{session}/output") == []
+    assert standin.received("POST", f"/kvsp/sessions/{session}/output") == []
 
 
-def test_a_control_plane_that_ignores_them_gets_them_posted(control_plane):
+def test_a_control_plane_that_ignores_them_gets_them_posted(standin):
     session = str(uuid.uuid4())
     path = f"/kvsp/sessions/{session}/checkpoint"
     answer = {"session": session, "epoch": 1, "output_offset": 2}
-    control_plane.answers[("PUT", path)] = (200, answer)
-    assert control.put_checkpoint(checkpoint(session), release=TOKENS) == 2
-    assert control_plane.received("POST", f"/kvsp/sessions/{session}/output") == [TOKENS]
+    standin.answers[("PUT", path)] = (200, answer)
+    assert control_plane.put_checkpoint(checkpoint(session), release=TOKENS) == 2
+    assert standin.received("POST", f"/kvsp/sessions/{session}/output") == [TOKENS]
 
 
-def test_a_checkpoint_alone_carries_no_output(control_plane):
+def test_a_checkpoint_alone_carries_no_output(standin):
     session = str(uuid.uuid4())
     path = f"/kvsp/sessions/{session}/checkpoint"
-    control_plane.answers[("PUT", path)] = (200, {"epoch": 1, "output_offset": 2})
-    assert control.put_checkpoint(checkpoint(session)) == 2
-    (sent,) = control_plane.received("PUT", path)
+    standin.answers[("PUT", path)] = (200, {"epoch": 1, "output_offset": 2})
+    assert control_plane.put_checkpoint(checkpoint(session)) == 2
+    (sent,) = standin.received("PUT", path)
     assert "output" not in sent
-    assert control_plane.received("POST", f"/kvsp/sessions/{session}/output") == []
+    assert standin.received("POST", f"/kvsp/sessions/{session}/output") == []

@@ -64,7 +64,7 @@ def test_a_generation_waits_while_blocks_are_missing_and_goes_once_the_rest_are_
     thread.join(timeout=0.5)
     try:
         assert thread.is_alive() and not answers
-        # What the loader does when it has admitted a batch (workers.prefetch).
+        # What the loader does when it has admitted a batch (workers.directives).
         Directive.objects.filter(pk=row.pk).update(loaded=list(KEYS))
         notices.notify()
         thread.join(timeout=30)

@@ -1,6 +1,7 @@
 """Prefetch directives on real nodes (spec 6.5): from a peer, with a lease at the source and
 every digest verified; a source that sends wrong octets or lacks the block is passed over; no
-working source fails the directive; the deadline makes it partial."""
+working source fails the directive, unless a source failed only for now (5xx), which the task
+asks again; the deadline makes it partial."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvsp.problems import problem_document
 from tests.node.support import container, problem, random_key, sha256
 from tests.node.test_resharding import blocks_sent
 from tests.support.waiting import wait_until
@@ -215,6 +217,35 @@ def test_a_miss_at_a_source_moves_on_and_no_source_fails(cluster):
     state = run_directive(cluster, n2, directive_body(cluster, [(nobody, [n3.url, n1.url])]))
     assert state["state"] == "failed" and state["loaded"] == []
     assert nobody in state["reason"]
+
+
+def test_a_source_answering_503_is_asked_again_by_the_directives_task(cluster, standin):
+    """A 5xx is transient (``common.peers``): the directive stays pending and its task runs
+    again, and the block comes from the source once it serves again."""
+    n1 = cluster.node("n1")
+    key = random_key()
+    standin.add(key, container(570))
+    unavailable = problem_document("kvsp-unavailable", "restarting", status=503)
+    standin.holder.answers[key] = [(503, unavailable)]
+    body = directive_body(cluster, [(key, [standin.holder.url])])
+    state = run_directive(cluster, n1, body)
+    assert state["state"] == "complete" and state["loaded"] == [key]
+    assert standin.holder.gets.count(key) == 2
+    got = n1.api(cluster.tokens["reader_a"]).get_block(cluster.compat, cluster.scope_a, key)
+    assert got.content == standin.holder.blocks[key]
+
+
+def test_a_source_refusing_with_problem_details_fails_the_directive_at_once(cluster, standin):
+    """A 4xx with problem details is final: no task runs the directive again."""
+    n1 = cluster.node("n1")
+    key = random_key()
+    standin.add(key, container(571))
+    forbidden = problem_document("kvsp-forbidden", "not for this principal", status=403)
+    standin.holder.answers[key] = [(403, forbidden)]
+    state = run_directive(cluster, n1, directive_body(cluster, [(key, [standin.holder.url])]))
+    assert state["state"] == "failed" and state["loaded"] == []
+    assert "not for this principal" in state["reason"]
+    assert standin.holder.gets.count(key) == 1
 
 
 def test_a_failed_block_stops_the_prefix_where_it_is(cluster):

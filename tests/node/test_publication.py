@@ -1,5 +1,5 @@
-"""A node publishes many Replica Records at once (``workers.control.publish_replicas``): through
-the batch form (``POST CP replicas``) in chunks the control plane takes, and one PUT each
+"""A node publishes many Replica Records at once (``workers.control_plane.publish_replicas``):
+through the batch form (``POST CP replicas``) in chunks the control plane takes, and one PUT each
 (spec 6.1) where the control plane speaks only the spec. Both control planes are gunicorn
 servers on loopback; this process plays the node's side."""
 
@@ -17,7 +17,7 @@ from kvsp.records import ReplicaRecord
 from tests.node.conftest import start_all
 from tests.support.fixtures import HOLDER_B, random_key, replica_json
 from tests.support.processes import Server
-from workers import control
+from workers import control_plane
 
 pytestmark = pytest.mark.django_db
 
@@ -72,8 +72,8 @@ def node_of(publisher, settings, monkeypatch):
     def use(server: Server) -> None:
         settings.KVSP_CONTROL_URL = f"{server.url}/kvsp/"
         settings.KVSP_TOKEN = publisher.token
-        monkeypatch.setattr(control, "_clients", {})
-        monkeypatch.setattr(control, "_no_batch_route_until", {})
+        monkeypatch.setattr(control_plane, "_clients", {})
+        monkeypatch.setattr(control_plane, "_no_batch_route_until", {})
 
     return use
 
@@ -127,7 +127,7 @@ def test_records_go_in_batches_the_control_plane_takes(publisher, node_of):
     ours = records(publisher, 7)
     sent = [*ours, not_ours(publisher)]
     before = answered(publisher.batches)
-    outcomes = control.publish_replicas(sent)
+    outcomes = control_plane.publish_replicas(sent)
 
     assert [o.record for o in outcomes] == sent
     assert [o.ttl_ms for o in outcomes[:7]] == [60_000] * 7
@@ -148,7 +148,7 @@ def test_a_batch_stays_within_the_body_limit(publisher, node_of, settings):
     # Room for one record in a body besides {"records": [...]}, not for two.
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 64 + one + one // 2
     before = answered(publisher.batches)
-    outcomes = control.publish_replicas(ours)
+    outcomes = control_plane.publish_replicas(ours)
     assert all(o.published for o in outcomes)
     assert {r.block_key for r in ours} <= stored_keys(publisher)
     assert grew(before, answered(publisher.batches)) == {("replicas", "POST", "200"): 3}
@@ -158,7 +158,7 @@ def test_a_control_plane_without_the_batch_route_gets_single_puts(publisher, nod
     node_of(publisher.spec_only)
     ours = records(publisher, 5)
     before = answered(publisher.spec_only)
-    outcomes = control.publish_replicas([*ours, not_ours(publisher)])
+    outcomes = control_plane.publish_replicas([*ours, not_ours(publisher)])
 
     assert [o.ttl_ms for o in outcomes[:5]] == [60_000] * 5
     assert_refused_as_not_ours(outcomes[-1])
@@ -171,16 +171,16 @@ def test_a_control_plane_without_the_batch_route_gets_single_puts(publisher, nod
     # Such a control plane is remembered: the next records go as PUTs at once.
     before = answered(publisher.spec_only)
     later = records(publisher, 2)
-    assert all(o.published for o in control.publish_replicas(later))
+    assert all(o.published for o in control_plane.publish_replicas(later))
     assert grew(before, answered(publisher.spec_only)) == {("replica", "PUT", "201"): 2}
 
 
 def test_a_control_plane_out_of_reach_is_every_records_outcome(publisher, settings):
     settings.KVSP_CONTROL_URL = "http://127.0.0.1:9/kvsp/"
     settings.KVSP_TOKEN = publisher.token
-    outcomes = control.publish_replicas(records(publisher, 3))
+    outcomes = control_plane.publish_replicas(records(publisher, 3))
     assert len(outcomes) == 3
-    assert all(isinstance(o.error, control.PeerUnreachable) for o in outcomes)
+    assert all(isinstance(o.error, control_plane.PeerUnreachable) for o in outcomes)
 
 
 def ids_of(record: ReplicaRecord) -> tuple[bytes, bytes, bytes]:
@@ -193,10 +193,10 @@ def test_withdrawals_go_together_or_one_by_one(publisher, node_of, settings, whi
     node_of(server)
     settings.KVSP_PUBLIC_URL = publisher.holder
     ours = records(publisher, 2)
-    assert all(o.published for o in control.publish_replicas(ours))
+    assert all(o.published for o in control_plane.publish_replicas(ours))
     unknown = records(publisher, 1)[0]  # never published: nothing to withdraw, which is fine
     before = answered(server)
-    errors = control.withdraw_replicas([*map(ids_of, ours), ids_of(unknown)])
+    errors = control_plane.withdraw_replicas([*map(ids_of, ours), ids_of(unknown)])
     assert errors == [None] * 3
     assert not {r.block_key for r in ours} & stored_keys(publisher)
     if which == "batches":
@@ -215,5 +215,5 @@ def test_a_withdrawal_the_control_plane_refuses_is_that_replicas_error(
 ):
     node_of(publisher.batches)
     settings.KVSP_PUBLIC_URL = HOLDER_B  # a holder the publisher does not act for
-    errors = control.withdraw_replicas([ids_of(r) for r in records(publisher, 2)])
+    errors = control_plane.withdraw_replicas([ids_of(r) for r in records(publisher, 2)])
     assert [(e.problem, e.status) for e in errors] == [("kvsp-forbidden", 403)] * 2

@@ -312,6 +312,7 @@ def test_grow_shift_swap_and_shrink_on_real_tensors_move_only_what_changes_hands
     to three, shifted, swapped and shrunk back to two. Each time only the blocks that change
     hands move, and the retained ones are never read. The blocks gathered from the holders of
     the last version decode exactly as the unsharded cache."""
+    from common.peers import BlockConnections
     from kvsp.blockkeys import block_keys
     from kvsp.records import ReplicaRecord
     from workers import fetch
@@ -362,9 +363,7 @@ def test_grow_shift_swap_and_shrink_on_real_tensors_move_only_what_changes_hands
         )
 
     # Gathered per the last version from its holders, verified against their records, decoded.
-    reader = fetch.BlockConnections(
-        {"Authorization": f"Bearer {sharding.cluster.tokens['reader_a']}"}
-    )
+    reader = BlockConnections({"Authorization": f"Bearer {sharding.cluster.tokens['reader_a']}"})
     gathered = []
     for key, owner in zip(keys, owners(versions[-1], blocks), strict=True):
         listed = sharding.controller().get(f"replicas/{sharding.compat}/{sharding.scope}/{key}")

@@ -12,7 +12,7 @@ from kvsp.problems import ProtocolError
 from kvsp.states import ServedSessionEvent
 from workers import instance
 from workers.models import Node, ServedSession
-from workers.sessions import do_finish, do_start
+from workers.served_sessions import do_finish, do_start
 
 pytestmark = pytest.mark.django_db
 

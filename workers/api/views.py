@@ -46,13 +46,13 @@ from kvsp.records import (
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
 from workers import (
     admission,
+    directives,
     instance,
     leases,
-    prefetch,
     resharding,
     selectors,
+    served_sessions,
     serving,
-    sessions,
     tiers,
 )
 from workers.metrics import BLOCKS_SENT
@@ -216,9 +216,9 @@ class PrefetchView(APIView):
     permission_classes = [IsAuthenticated, IsController]
 
     def post(self, request):
-        row = prefetch.do_accept_directive(PrefetchDirective.from_json(request.data))
+        row = directives.do_accept_directive(PrefetchDirective.from_json(request.data))
         return Response(
-            selectors.directive_state(row).to_json(),
+            selectors.directive_status(row).to_json(),
             status=status.HTTP_202_ACCEPTED,
             headers={"Location": _node_url(request, f"prefetch/{row.directive}")},
         )
@@ -233,7 +233,7 @@ class DirectiveView(APIView):
         row = Directive.objects.filter(instance=selectors.node_name(), directive=directive).first()
         if row is None:
             raise ProtocolError("kvsp-not-found", "no such directive")
-        return Response(selectors.directive_state(row).to_json())
+        return Response(selectors.directive_status(row).to_json())
 
 
 class StateView(APIView):
@@ -252,7 +252,7 @@ class GenerateView(APIView):
     checkpoints and output tokens appear (6.8)."""
 
     def post(self, request):
-        row = sessions.do_accept_generation(request.user, request.data)
+        row = served_sessions.do_accept_generation(request.user, request.data)
         session_url = f"{settings.KVSP_CONTROL_URL}sessions/{row.session}"
         return Response(
             {
@@ -274,7 +274,7 @@ class ResumeView(APIView):
     permission_classes = [IsAuthenticated, IsController]
 
     def post(self, request, session: str):
-        row = sessions.do_accept_resume(session, request.data)
+        row = served_sessions.do_accept_resume(session, request.data)
         return Response(
             {"session": str(row.session), "epoch": row.epoch, "state": row.state},
             status=status.HTTP_202_ACCEPTED,

@@ -46,8 +46,13 @@ from kvsp.container import (
 )
 from kvsp.problems import ProtocolError
 from kvsp.registries import RAW_CODEC
-from kvsp.tensors import check_geometry, encode_tensors, layer_tensors, tensor_from_section
-from kvsp.tensors import torch_dtype as registered_torch_dtype
+from kvsp.tensors import (
+    check_geometry,
+    encode_tensors,
+    layer_tensors,
+    tensor_from_section,
+    torch_dtype,
+)
 
 BlockSource = Container | EncodedContainer | Buffer
 
@@ -155,7 +160,7 @@ class LayerwiseImport:
         self.sequence: Sequence | None = None
         self.ready_at: list[float | None] = [None] * layers
         self.requested_at: list[float | None] = [None] * layers
-        self._dtype = registered_torch_dtype(kv_dtype)
+        self._dtype = torch_dtype(kv_dtype)
         self._prepare = prepare
         self._condition = threading.Condition()
         self._parts: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [

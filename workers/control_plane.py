@@ -21,10 +21,10 @@ import httpx
 import orjson
 from django.conf import settings
 
-from common.peers import PeerUnreachable, call, peer_client, raise_for_problem
-from kvsp.blockkeys import scope_id as scope_id_of
+from common.peers import PeerUnreachable, call, peer_client, raise_for_problem, refusal
+from kvsp import blockkeys
 from kvsp.delegation import DelegatedTokenCache
-from kvsp.problems import ProtocolError, problem_name
+from kvsp.problems import ProtocolError
 from kvsp.records import (
     InstanceStatusRecord,
     ReplicaRecord,
@@ -230,15 +230,11 @@ def _post_chunk(url, member, items, encoded, *, outcome, one_by_one, failed) -> 
 
 
 def _refusal(url: str, block_key: str, result: dict) -> ProtocolError | PeerUnreachable:
-    """The error one result of a batch answer reports."""
+    """The error one result of a batch answer reports, as the peer client's policy says."""
     status = result.get("status")
-    problem = result.get("problem") if isinstance(result.get("problem"), dict) else {}
-    detail = f"{url}: {block_key}: {problem.get('detail', 'refused')}"
-    if type(status) is int and status >= 500:
-        return PeerUnreachable(detail)
-    name = problem_name(str(problem.get("type", ""))) or "kvsp-upstream-error"
-    status = status if type(status) is int and 400 <= status < 500 else None
-    return ProtocolError(name, detail, status=status)
+    if type(status) is not int:
+        return ProtocolError("kvsp-upstream-error", f"{url}: {block_key}: a result without status")
+    return refusal(status, result.get("problem"), f"{url}: {block_key}", "refused")
 
 
 def _publish_one(record: ReplicaRecord) -> PublishOutcome:
@@ -359,7 +355,7 @@ def scope_key(scope_id: bytes) -> bytes:
         return known
     response = raise_for_problem(call(client(), "GET", f"{_base()}scopes/{scope_id.hex()}/key"))
     key = bytes.fromhex(str(response.json().get("scope_key", "")))
-    if scope_id_of(key) != scope_id:
+    if blockkeys.scope_id(key) != scope_id:
         raise ProtocolError("kvsp-upstream-error", "the scope key does not hash to the scope id")
     with _scope_keys_lock:
         _scope_keys[scope_id] = key

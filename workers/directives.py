@@ -9,6 +9,11 @@ and block GETs are served by the HTTP process meanwhile. The directive's progres
 loaded) is written once per batch. Loading stops at the deadline: the directive is then
 "partial" with the keys loaded. When no source of a block can serve it, the blocks after it are
 useless (keys are chained, 4.2), so loading stops and the directive is "failed" with the reason.
+
+Unless a source failed the block only for now (out of reach, too slow, answering 5xx: the peer
+client's policy, ``common.peers``): the task then runs again later, with backoff and while the
+deadline allows, and loads what is still missing; its last try, or a load the task does not
+drive (a resume's), fails the directive as above.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from datetime import timedelta
 from django.db import transaction
 from django.utils import timezone
 
+from common.peers import PeerUnreachable
 from common.tasks import RETRYABLE, instance_queue
 from kvsp.problems import ProtocolError
 from kvsp.records import PrefetchDirective
@@ -71,12 +77,19 @@ class DirectiveRun:
     """One execution of a directive row; safe to run again (held blocks count as loaded)."""
 
     def __init__(
-        self, row: Directive, device_tier: DeviceTier | None = None, *, admitted: bool = False
+        self,
+        row: Directive,
+        device_tier: DeviceTier | None = None,
+        *,
+        admitted: bool = False,
+        retry_later: bool = False,
     ):
         self.row = row
         # Loading for a session the instance admitted already (a resume, 6.8): it completes
         # even when the instance drains meanwhile (6.3).
         self.admitted = admitted
+        # A failure that may pass is raised for the caller to run the directive again.
+        self.retry_later = retry_later
         self.directive = PrefetchDirective.from_json(row.body)
         self.name = row.instance
         self.compat_id = bytes(row.compat_id)
@@ -125,6 +138,8 @@ class DirectiveRun:
                 f"the deadline of {self.directive.deadline_ms} ms passed with "
                 f"{len(self._loaded_in_order())} of {len(self.directive.blocks)} blocks loaded",
             )
+        if self.retry_later and self.failure.transient:
+            raise PeerUnreachable(self.failure.detail())
         return self.finish(DirectiveEvent.LOAD_FAILED, self.failure.detail())
 
     def _progress(self, keys: list[str]) -> None:
@@ -163,10 +178,16 @@ class DirectiveRun:
 
 
 def run_directive(
-    directive_pk: int, device_tier: DeviceTier | None = None, *, admitted: bool = False
+    directive_pk: int,
+    device_tier: DeviceTier | None = None,
+    *,
+    admitted: bool = False,
+    retry_later: bool = False,
 ) -> str:
     """Carry out a directive row; a directive already finished is left as it is. ``admitted``:
-    the blocks of a session the instance admitted, loaded whatever its state is now."""
+    the blocks of a session the instance admitted, loaded whatever its state is now.
+    ``retry_later``: a block that failed only for now raises PeerUnreachable, the directive
+    still pending, rather than failing it (the caller runs it again)."""
     row = Directive.objects.filter(pk=directive_pk).first()
     if row is None:
         return "gone"
@@ -176,7 +197,7 @@ def run_directive(
         Directive.objects.filter(pk=directive_pk, started_at__isnull=True).update(
             started_at=timezone.now()
         )
-    run = DirectiveRun(row, device_tier, admitted=admitted)
+    run = DirectiveRun(row, device_tier, admitted=admitted, retry_later=retry_later)
     notices.notify()  # a generation may be waiting for this directive to arrive
     try:
         return run.run()
