@@ -13,7 +13,8 @@ from django.db import DatabaseError
 from django.utils import timezone
 from prometheus_client import Counter, Histogram
 
-from common.metrics import database_figures, gauge
+from common.metrics import TalliedCounter, count_all, database_figures, gauge
+from kvsp.reasons import LOOKUP_STOPS, TIERS, fastest_tier
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,62 @@ LOOKUP_MATCHED_RATIO = Histogram(
     ["source"],
     buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
 )
+
+
+# What lookups asked for and where they hit, named as vLLM names its prefix cache's figures
+# (vllm:prefix_cache_queries, vllm:prefix_cache_hits) where the meaning is the same. ``source``
+# is ``lookup`` (POST lookup) or ``placement``; tokens are counted where the request has them
+# (placements: a lookup names Block Keys only, and its block size is not read on the hot path).
+PREFIX_CACHE_QUERIES = TalliedCounter(
+    "kvsp_prefix_cache_queries", "Prompt tokens looked up in the index.", ["source"]
+)
+PREFIX_CACHE_HITS = TalliedCounter(
+    "kvsp_prefix_cache_hits",
+    "Prompt tokens of the matched prefix, by the fastest tier among each block's replicas.",
+    ["source", "tier"],
+)
+PREFIX_CACHE_QUERY_BLOCKS = TalliedCounter(
+    "kvsp_prefix_cache_query_blocks", "Block Keys looked up in the index.", ["source"]
+)
+PREFIX_CACHE_HIT_BLOCKS = TalliedCounter(
+    "kvsp_prefix_cache_hit_blocks",
+    "Blocks of the matched prefix, by the fastest tier among each block's replicas.",
+    ["source", "tier"],
+)
+PREFIX_CACHE_STOPS = TalliedCounter(
+    "kvsp_prefix_cache_stops",
+    "Lookups whose chain of Block Keys stopped before its end, by why (kvsp.reasons).",
+    ["source", "reason"],
+)
+PREFIX_CACHE_MISSED_BLOCKS = TalliedCounter(
+    "kvsp_prefix_cache_missed_blocks",
+    "Block Keys asked for at and after the stop of a lookup's chain, by why it stopped.",
+    ["source", "reason"],
+)
+_TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
+
+
+def hit_tiers(replica_lists) -> list[int]:
+    """Blocks per tier of ``TIERS``: each block (its list of replicas, ``ReplicaRow``s) counted
+    in the fastest tier any of its replicas has layers in."""
+    counts = [0] * len(TIERS)
+    rank = _TIER_RANK
+    for replicas in replica_lists:
+        counts[min(rank[fastest_tier(r.residency_json)] for r in replicas)] += 1
+    return counts
+
+
+def hit_tiers_of_groups(matched: int, groups) -> list[int]:
+    """``hit_tiers`` of the first ``matched`` blocks from their ``ReplicaGroup``s."""
+    fastest = bytearray([len(TIERS) - 1]) * matched
+    for group in groups:
+        rank = _TIER_RANK[fastest_tier(group.residency_json)]
+        if rank == len(TIERS) - 1:
+            continue
+        for position in group.positions:
+            if position < matched and rank < fastest[position]:
+                fastest[position] = rank
+    return [fastest.count(rank) for rank in range(len(TIERS))]
 
 
 # --- Lookup outcomes, for /metrics and for the dashboard's hit ratio over time ----------------
@@ -110,6 +167,19 @@ request_finished.connect(lookup_tally.write_if_due, dispatch_uid="kvsp-lookup-ta
 
 
 @functools.cache
+def _tallied_series(source: str) -> tuple:
+    (stop,) = LOOKUP_STOPS
+    return (
+        PREFIX_CACHE_QUERY_BLOCKS.series(source),
+        [PREFIX_CACHE_HIT_BLOCKS.series(source, tier) for tier in TIERS],
+        PREFIX_CACHE_QUERIES.series(source),
+        [PREFIX_CACHE_HITS.series(source, tier) for tier in TIERS],
+        PREFIX_CACHE_STOPS.series(source, stop),
+        PREFIX_CACHE_MISSED_BLOCKS.series(source, stop),
+    )
+
+
+@functools.cache
 def _lookup_series(source: str) -> tuple:
     # Resolving labels costs more than counting: once per source, not once per lookup.
     return (
@@ -120,15 +190,34 @@ def _lookup_series(source: str) -> tuple:
     )
 
 
-def observe_lookup(source: str, block_keys: int, matched: int) -> None:
-    """One prefix lookup of ``block_keys`` keys whose first ``matched`` matched (6.2)."""
+def observe_lookup(
+    source: str,
+    block_keys: int,
+    matched: int,
+    tiers: list[int] = (),
+    *,
+    prompt_tokens: int = 0,
+    block_tokens: int = 0,
+) -> None:
+    """One prefix lookup of ``block_keys`` keys whose first ``matched`` matched (6.2), those
+    in each of ``TIERS`` as ``hit_tiers`` counts them; tokens when the caller knows them."""
     lookups, keys, matched_blocks, ratio = _lookup_series(source)
     lookups.inc()
     keys.inc(block_keys)
     matched_blocks.inc(matched)
     if block_keys:
         ratio.observe(matched / block_keys)
-    lookup_tally.add(block_keys, matched, timezone.now())
+    now = timezone.now()
+    lookup_tally.add(block_keys, matched, now)
+    query_blocks, hit_blocks, queries, hits, stops, missed = _tallied_series(source)
+    counts = [(query_blocks, block_keys), *zip(hit_blocks, tiers, strict=False)]
+    if prompt_tokens:
+        counts.append((queries, prompt_tokens))
+        hit_tokens = (blocks * block_tokens for blocks in tiers)
+        counts += zip(hits, hit_tokens, strict=False)
+    if matched < block_keys:
+        counts += ((stops, 1), (missed, block_keys - matched))
+    count_all(counts, now)
 
 
 @database_figures("control")

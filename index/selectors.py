@@ -218,7 +218,9 @@ def lookup(principal, request: LookupRequest, *, now=None) -> dict:
     keys = list(map(bytes.fromhex, request.block_keys))
     found = replica_rows_by_key(principal, compat_id, scope_id, keys, now=now)
     matched = matched_prefix(keys, found)
-    metrics.observe_lookup("lookup", len(keys), matched)
+    metrics.observe_lookup(
+        "lookup", len(keys), matched, metrics.hit_tiers(found[key] for key in keys[:matched])
+    )
     answer = {
         "matched": matched,
         "blocks": [

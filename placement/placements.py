@@ -22,9 +22,11 @@ from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
 from kvsp.problems import ProtocolError
+from kvsp.reasons import TIERS
 from kvsp.records import PlacementRequest
 from placement import delivery, policy, pricing, services
-from placement.models import Directive, InstanceState
+from placement import metrics as placement_metrics
+from placement.models import Directive, Instance, InstanceState
 from placement.selectors import candidates, matched_block_table
 
 
@@ -79,7 +81,14 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
 
     groups = index_selectors.replica_groups(principal, compat_id, scope_id, keys, now=now)
     matched = index_selectors.matched_prefix_of_groups(len(keys), groups)
-    metrics.observe_lookup("placement", len(keys), matched)
+    metrics.observe_lookup(
+        "placement",
+        len(keys),
+        matched,
+        metrics.hit_tiers_of_groups(matched, groups),
+        prompt_tokens=len(request.tokens),
+        block_tokens=block_tokens,
+    )
     blocks = matched_block_table(keys, groups, matched)
     timer.lap("lookup")
 
@@ -105,13 +114,24 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
 
     instance, status, price = chosen
     directive = None
-    if price.uses_cache or woke:
+    loads = price.uses_cache or woke
+    peer_tiers = [0] * len(TIERS)
+    if loads:
         positions, sources, source_of = pricing.directive_sources(status, blocks)
         if len(positions):
             packed = Directive.pack(
                 b"".join(map(keys.__getitem__, positions.tolist())), sources, source_of
             )
             directive = _send_directive(instance, request, scope_id, compat_id, packed)
+            first = [sources[s][0] for s in source_of.tolist()]
+            peer_tiers = placement_metrics.source_tiers(positions.tolist(), first, groups)
+    placement_metrics.observe_placement(
+        prompt_tokens=len(request.tokens),
+        block_tokens=block_tokens,
+        loaded_blocks=price.matched if loads else 0,
+        peer_blocks_by_tier=peer_tiers,
+        recompute_reason=_recompute_reason(matched, price, loads, groups),
+    )
     timer.lap("directive")
     return {
         "instance": instance.url,
@@ -122,6 +142,21 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
         "candidates": [_candidate_json(i, b) for i, _, b in priced],
         "timings_us": timer.spent,
     }
+
+
+def _recompute_reason(matched: int, price: pricing.Price, loads: bool, groups) -> str | None:
+    """Why the chosen instance loads nothing (``kvsp.reasons.RECOMPUTE_REASONS``); None when
+    it loads some blocks."""
+    if loads and price.matched:
+        return None
+    if not matched:
+        return "no_match"
+    if price.matched:
+        return "recompute_cheaper"
+    # Nothing loadable although blocks matched: read only on this path, never on a hit.
+    holders = {group.holder for group in groups if 0 in group.positions}
+    inactive = Instance.objects.filter(url__in=holders).exclude(state=InstanceState.ACTIVE)
+    return "source_inactive" if inactive.count() == len(holders) else "no_link"
 
 
 def _send_directive(instance, request, scope_id, compat_id, packed: dict) -> str:

@@ -84,11 +84,13 @@ class Wanted:
 
 @dataclass
 class Failure:
-    """Why a block could not be loaded: (source, reason) for every source tried."""
+    """Why a block could not be loaded: (source, reason) for every source tried, and the
+    reason at the last of them as one of ``kvsp.reasons.DIRECTIVE_BLOCK_FAILURES``."""
 
     index: int
     block_key: str
     reasons: list[tuple[str, str]] = field(default_factory=list)
+    why: str = "other"
 
     def detail(self) -> str:
         tried = "; ".join(f"{source}: {reason}" for source, reason in self.reasons)
@@ -96,7 +98,28 @@ class Failure:
 
 
 class _Refused(Exception):
-    """One source could not serve one block (the next source is tried)."""
+    """One source could not serve one block (the next source is tried); ``why`` is one of
+    ``kvsp.reasons.DIRECTIVE_BLOCK_FAILURES``."""
+
+    def __init__(self, detail: str, why: str = "other"):
+        super().__init__(detail)
+        self.why = why
+
+
+def refusal_reason(exc: ProtocolError, *, leasing: bool = False) -> str:
+    """What a source's refusal of a block was, as ``kvsp.reasons.DIRECTIVE_BLOCK_FAILURES``
+    names it; ``leasing`` when it refused the lease."""
+    if exc.problem == "kvsp-not-found":
+        return "not_found"
+    if exc.problem == "kvsp-lease-quota":
+        return "over_quota"
+    if leasing:
+        return "lease_refused"
+    if exc.problem in ("kvsp-digest-mismatch", "kvsp-invalid-container"):
+        return "digest_mismatch"
+    if exc.problem == "kvsp-upstream-error":
+        return "holder_unreachable"
+    return "other"
 
 
 @dataclass
@@ -325,6 +348,7 @@ class Loader:
                             arrival.wanted.index,
                             arrival.wanted.block_key,
                             [("this instance", exc.detail)],
+                            "no_room",
                         )
                     )
                     return
@@ -407,8 +431,8 @@ class Loader:
                 if isinstance(outcome, admission.LoadedBlock):
                     self._arrivals.put(_Arrival(item, outcome))
                 else:
-                    source, reason = outcome
-                    self._load(client, item, [(source, reason)], after=source)
+                    source, reason, why = outcome
+                    self._load(client, item, [(source, reason)], after=source, why=why)
                 if self._stop.is_set():
                     return
         except fetch.DeadlineExpired:
@@ -424,7 +448,7 @@ class Loader:
                 self._load(client, item)
 
     def _fetch_batch(self, client, batch: list[Wanted]):
-        """(block, its LoadedBlock or the (source, reason) it was refused for) for the blocks
+        """(block, its LoadedBlock or the (source, reason, why) it was refused for) for the blocks
         of ``batch`` that its first source answered in one request; none when it could not be
         asked for them so (a single block, an unknown record, no lease, no token, no batches
         at that source) or answered otherwise."""
@@ -453,12 +477,13 @@ class Loader:
             ):
                 item = items[record.block_key]
                 if isinstance(outcome, ProtocolError):
-                    yield item, (source, self._refusal(item.block_key, source, outcome))
+                    detail = self._refusal(item.block_key, source, outcome)
+                    yield item, (source, detail, refusal_reason(outcome))
                     continue
                 try:
                     yield item, self._keep(item.block_key, source, outcome)
                 except _Refused as exc:
-                    yield item, (source, str(exc))
+                    yield item, (source, str(exc), exc.why)
         except fetch.BatchRefused as exc:
             if exc.unsupported:
                 self._unbatched.add(source)
@@ -473,9 +498,10 @@ class Loader:
         reasons: list[tuple[str, str]] | None = None,
         *,
         after: str | None = None,
+        why: str = "other",
     ) -> None:
         """Load ``item`` on its own from its sources in order (those after ``after`` when
-        given), adding to ``reasons`` why each refused it."""
+        given), adding to ``reasons`` why each refused it (``why``: the last one's reason)."""
         reasons = list(reasons or [])
         sources = list(item.sources)
         if after is not None:
@@ -486,6 +512,7 @@ class Loader:
                     block = self._load_from(client, item.block_key, source)
                 except _Refused as exc:
                     reasons.append((source, str(exc)))
+                    why = exc.why
                     continue
                 self._arrivals.put(_Arrival(item, block))
                 return
@@ -493,7 +520,7 @@ class Loader:
             self.deadline_hit = True
             self._stop.set()
             return
-        self._fail(Failure(item.index, item.block_key, reasons))
+        self._fail(Failure(item.index, item.block_key, reasons, why))
 
     def _token(self, source: str) -> str:
         """The delegated token for this scope at ``source``; _Refused when there is none."""
@@ -568,7 +595,7 @@ class Loader:
             raise fetch.DeadlineExpired("the deadline passed")
         record = self._record_at(block_key, source)
         if record is None:
-            raise _Refused("the Index Service lists no replica there")
+            raise _Refused("the Index Service lists no replica there", "not_found")
         ahead = self._lease_at(client, source)
         token = self._token(source)
         lease = None
@@ -580,9 +607,13 @@ class Loader:
                     block_keys=(block_key,),
                     ttl_ms=self.lease_ms,
                 )
-                lease = fetch.take_lease(
-                    client, source, request, token=token, deadline=self.deadline
-                )
+                try:
+                    lease = fetch.take_lease(
+                        client, source, request, token=token, deadline=self.deadline
+                    )
+                except ProtocolError as exc:
+                    detail = self._refusal(block_key, source, exc)
+                    raise _Refused(detail, refusal_reason(exc, leasing=True)) from exc
             fetched = fetch.fetch_block(
                 self._connections,
                 source,
@@ -592,7 +623,7 @@ class Loader:
                 deadline=self.deadline,
             )
         except ProtocolError as exc:
-            raise _Refused(self._refusal(block_key, source, exc)) from exc
+            raise _Refused(self._refusal(block_key, source, exc), refusal_reason(exc)) from exc
         finally:
             if lease is not None:
                 fetch.release_lease(client, lease, token=token)
@@ -617,7 +648,7 @@ class Loader:
             if self.pending_move_id is None:
                 install = admission.prepare_device_copy(ids, fetched.container, self.device_tier)
         except ProtocolError as exc:
-            raise _Refused(self._refusal(block_key, source, exc)) from exc
+            raise _Refused(self._refusal(block_key, source, exc), refusal_reason(exc)) from exc
         fields = admission.BlockFields(
             codec=fetched.container.codec,
             size=fetched.size,
