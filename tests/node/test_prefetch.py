@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.node.support import container, problem, random_key, sha256
+from tests.node.support import container, counted, problem, random_key, sha256
 from tests.node.test_resharding import blocks_sent
 from tests.support.waiting import wait_until
 
@@ -215,6 +215,36 @@ def test_a_miss_at_a_source_moves_on_and_no_source_fails(cluster):
     state = run_directive(cluster, n2, directive_body(cluster, [(nobody, [n3.url, n1.url])]))
     assert state["state"] == "failed" and state["loaded"] == []
     assert nobody in state["reason"]
+
+
+def test_the_node_counts_the_blocks_its_worker_did_not_load_by_why(cluster, standin):
+    """Directives run in the node's Celery worker; its counts show in the node's /metrics."""
+    n1, n2, n3 = cluster.node("n1"), cluster.node("n2"), cluster.node("n3")
+    before = counted(n2, "kvsp_directive_block_failures", "reason")
+
+    def added() -> dict:
+        now = counted(n2, "kvsp_directive_block_failures", "reason")
+        return {why: n - before.get(why, 0) for why, n in now.items() if n != before.get(why, 0)}
+
+    # A block nobody holds, then two that come after it: a miss, and what follows it.
+    [(key, _)] = put_chain(cluster, n1, 1, 545)
+    nobody = random_key()
+    blocks = [(nobody, [n3.url, n1.url]), (key, [n1.url]), (random_key(), [n1.url])]
+    state = run_directive(cluster, n2, directive_body(cluster, blocks))
+    assert state["state"] == "failed" and nobody not in state["loaded"]
+    # The fetchers work ahead: what was not loaded after the failure was never asked for.
+    expected = {"not_found": 1, "past_failure": 2 - len(state["loaded"])}
+    expected = {why: n for why, n in expected.items() if n}
+    wait_until(lambda: added() == expected, "the failures counted")
+
+    # Octets that fail their digests at the only source.
+    bad, data = random_key(), container(546)
+    standin.add(bad, data)
+    standin.holder.served[bad] = container(547)
+    body = directive_body(cluster, [(bad, [standin.holder.url])])
+    assert run_directive(cluster, n2, body)["state"] == "failed"
+    expected["digest_mismatch"] = 1
+    wait_until(lambda: added() == expected, "the digest mismatch counted")
 
 
 def test_a_failed_block_stops_the_prefix_where_it_is(cluster):
