@@ -224,7 +224,16 @@ def observe_lookup(
 def replica_figures(now):
     from index import selectors  # selectors import this module
 
-    totals = selectors.replica_tier_totals(now=now)
+    # Read at every scrape: estimated from a sample past a size, so a scrape's cost does not
+    # grow with the number of replicas.
+    totals, fraction = selectors.replica_tier_figures(now=now)
+    yield gauge(
+        "kvsp_replica_figures_sampled_fraction",
+        "The fraction of the replica table the replica gauges were read from: 1 when exact, "
+        "less when they are estimates from a sample of its pages.",
+        (),
+        [((), fraction)],
+    )
     yield gauge(
         "kvsp_replicas", "Unexpired replicas in the index (6.1).", (), [((), totals["replicas"])]
     )
