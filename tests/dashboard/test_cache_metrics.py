@@ -155,3 +155,41 @@ def test_a_placement_whose_blocks_are_only_at_inactive_instances_says_so(client,
     cluster.publish(4, holder="http://gone.test/kvsp/", caller=gone)
     Instance.objects.filter(name="gone").update(state="failed")
     assert recompute_reasons(client, cluster) == {"source_inactive": 1}
+
+
+def test_a_sessions_time_to_first_token_and_its_steps_are_histograms(
+    client, cluster, django_capture_on_commit_callbacks
+):
+    import uuid
+
+    from tests.dashboard.conftest import II1_URL, checkpoint_document
+    from tests.support.fixtures import make_instance
+
+    ii1 = make_instance("ii1", II1_URL, scopes=[cluster.scope])
+    session = str(uuid.uuid4())
+    document = checkpoint_document(cluster, session, offset=1, generated=[7])
+    timings = {"queued": 2_000, "keys": 1_000, "directive": 40_000, "prompt": 300_000}
+    timings |= {"first_token": 7_000, "first_checkpoint": 9_000, "custom-step": 5}
+    before = scrape(client)
+    with django_capture_on_commit_callbacks(execute=True):
+        path = f"/kvsp/sessions/{session}/checkpoint"
+        response = ii1.put(path, document | {"timings_us": timings})
+    assert response.status_code == 201
+    after = scrape(client)
+
+    def added(name, *labels):
+        key = (name, tuple(sorted(labels)))
+        return after.get(key, 0) - before.get(key, 0)
+
+    ttft = "kvsp_time_to_first_token_seconds"
+    assert added(f"{ttft}_count") == 1
+    assert added(f"{ttft}_sum") == pytest.approx(0.35)
+    assert added(f"{ttft}_bucket", ("le", "0.25")) == 0
+    assert added(f"{ttft}_bucket", ("le", "0.5")) == 1
+    step = "kvsp_time_to_first_token_step_seconds"
+    assert added(f"{step}_sum", ("step", "directive")) == pytest.approx(0.04)
+    assert added(f"{step}_sum", ("step", "prompt")) == pytest.approx(0.3)
+    assert added(f"{step}_count", ("step", "first_token")) == 1
+    # Steps after the first token, and steps of other names, are not its parts.
+    shown = {dict(labels).get("step") for name, labels in after if name.startswith(step)}
+    assert shown == {"queued", "keys", "directive", "prompt", "first_token"}
