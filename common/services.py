@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from common.models import CounterMinute
@@ -32,7 +32,8 @@ def do_add_counts(pending: dict[tuple[datetime, tuple[str, str]], int]) -> None:
     total_rows = sorted(totals.items())
     minute_rows = sorted(pending.items())
     adapt = connection.ops.adapt_datetimefield_value
-    with connection.cursor() as cursor:
+    # Both or neither: the tally keeps what a failed write held, to try again.
+    with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(
             _ADD_TOTALS.format(rows=", ".join(["(%s, %s, %s)"] * len(total_rows))),
             [value for (name, labels), amount in total_rows for value in (name, labels, amount)],

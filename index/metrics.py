@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import functools
-import logging
-import threading
-import time
 from collections import Counter as Tallies
 from datetime import datetime
 
 import numpy as np
 from django.core.signals import request_finished
-from django.db import DatabaseError
+from django.db import transaction
 from django.utils import timezone
 from prometheus_client import Counter, Histogram
 
-from common.metrics import TalliedCounter, count_all, database_figures, gauge
+from common.metrics import TalliedCounter, Tally, count_all, database_figures, gauge
 from kvsp.reasons import LOOKUP_STOPS, TIERS, fastest_tier
-
-log = logging.getLogger(__name__)
 
 LOOKUPS = Counter(
     "kvsp_lookups",
@@ -108,70 +103,26 @@ def hit_tiers_of_groups(matched: int, groups) -> list[int]:
 LOOKUP_WRITE_INTERVAL_S = 1.0
 
 
-class LookupTally:
-    """Lookups this process counted and has not yet added to ``index.LookupBucket``.
-
-    A lookup only adds to memory; the counts go to the database in one upsert per minute
-    bucket, after a response has been sent and at most once per ``LOOKUP_WRITE_INTERVAL_S``,
-    so the hot path never waits on a write. A process that stops loses at most that long.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        # minute -> [lookups, hits, block_keys, matched_blocks]
-        self._pending: dict[datetime, list[int]] = {}
-        self._written_at = 0.0
-
-    def add(self, block_keys: int, matched: int, now: datetime) -> None:
-        minute = now.replace(second=0, microsecond=0)
-        with self._lock:
-            counts = self._pending.setdefault(minute, [0, 0, 0, 0])
-            counts[0] += 1
-            counts[1] += 1 if matched else 0
-            counts[2] += block_keys
-            counts[3] += matched
-
-    def take(self) -> dict[datetime, list[int]]:
-        """The counts not yet written, which this tally then forgets."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-            self._written_at = time.monotonic()
-        return pending
-
-    def write_if_due(self, **_) -> None:
-        """``request_finished`` receiver: write when there is something and the time has come."""
-        with self._lock:
-            due = time.monotonic() - self._written_at >= LOOKUP_WRITE_INTERVAL_S
-            if not (self._pending and due):
-                return
-        self._write(self.take())
-
-    def write(self) -> None:
-        """Write everything counted so far, now."""
-        self._write(self.take())
-
-    def _write(self, pending: dict[datetime, list[int]]) -> None:
-        from index.services import do_record_lookups  # services import this module
-
-        for minute, (lookups, hits, block_keys, matched) in sorted(pending.items()):
-            try:
-                do_record_lookups(
-                    minute,
-                    lookups=lookups,
-                    hits=hits,
-                    block_keys=block_keys,
-                    matched_blocks=matched,
-                )
-            except DatabaseError:
-                # Counts are figures for a chart: keep them for the next try, never fail a request.
-                log.warning("could not record %d lookups of %s; will retry", lookups, minute)
-                with self._lock:
-                    counts = self._pending.setdefault(minute, [0, 0, 0, 0])
-                    for position, value in enumerate((lookups, hits, block_keys, matched)):
-                        counts[position] += value
+# The lookups of a minute as index.LookupBucket adds them up, in the order of its columns.
+_BUCKET_COLUMNS = ("lookups", "hits", "block_keys", "matched_blocks")
 
 
-lookup_tally = LookupTally()
+def _write_lookups(pending: dict) -> None:
+    """``Tally`` writer: each minute's counts added to its bucket, one upsert per minute, all or
+    none (the tally keeps what a failed write held, to try again)."""
+    from index.services import do_record_lookups  # services import this module
+
+    minutes: dict[datetime, dict[str, int]] = {}
+    for (minute, column), count in pending.items():
+        minutes.setdefault(minute, dict.fromkeys(_BUCKET_COLUMNS, 0))[column] += count
+    with transaction.atomic():
+        for minute, counts in sorted(minutes.items()):
+            do_record_lookups(minute, **counts)
+
+
+# Lookups this process counted and has not yet added to ``index.LookupBucket`` (the dashboard's
+# hit ratio over time): written as ``common.metrics.Tally`` writes, after a response.
+lookup_tally = Tally(_write_lookups, lambda: LOOKUP_WRITE_INTERVAL_S)
 request_finished.connect(lookup_tally.write_if_due, dispatch_uid="kvsp-lookup-tally")
 
 
@@ -217,7 +168,15 @@ def observe_lookup(
     if block_keys:
         ratio.observe(matched / block_keys)
     now = timezone.now()
-    lookup_tally.add(block_keys, matched, now)
+    lookup_tally.add(
+        (
+            ("lookups", 1),
+            ("hits", 1 if matched else 0),
+            ("block_keys", block_keys),
+            ("matched_blocks", matched),
+        ),
+        now,
+    )
     query_blocks, hit_blocks, queries, hits, stops, missed = _tallied_series(source)
     counts = [(query_blocks, block_keys), *zip(hit_blocks, tiers, strict=False)]
     if prompt_tokens:

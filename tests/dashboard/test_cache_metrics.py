@@ -193,3 +193,27 @@ def test_a_sessions_time_to_first_token_and_its_steps_are_histograms(
     # Steps after the first token, and steps of other names, are not its parts.
     shown = {dict(labels).get("step") for name, labels in after if name.startswith(step)}
     assert shown == {"queued", "keys", "directive", "prompt", "first_token"}
+
+
+def test_counts_a_write_could_not_add_are_kept_and_added_once_by_the_next(
+    client, cluster, monkeypatch
+):
+    from django.db import OperationalError
+
+    from common import services
+
+    figures = Figures(client)
+    lookup(cluster, cluster.keys[:2])
+    add_counts = services.do_add_counts
+
+    def unwritable(pending):
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(services, "do_add_counts", unwritable)
+    tally.write()  # fails: nothing written, nothing lost
+    monkeypatch.setattr(services, "do_add_counts", add_counts)
+    lookup(cluster, cluster.keys[:2])
+    added = figures.added()
+    source = ("source", "lookup")
+    assert added[("kvsp_prefix_cache_query_blocks_total", (source,))] == 4
+    assert added[("kvsp_prefix_cache_stops_total", (("reason", "no_replica"), source))] == 2
