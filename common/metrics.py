@@ -226,7 +226,8 @@ class TalliedCounter:
 
     @functools.cache  # noqa: B019 - one per counter and label values, kept for the process
     def series(self, *values: str) -> tuple[str, str]:
-        """The key of one series: resolve it once, then count with ``count``."""
+        """The key of one series (kept: a hot path resolves it once, then passes it to
+        ``count_all`` with its amount)."""
         if len(values) != len(self.label_names):
             raise ValueError(f"{self.name} has labels {self.label_names}")
         return self.name, orjson.dumps(values).decode()

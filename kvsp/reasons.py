@@ -6,6 +6,7 @@ takes its values from here, and docs/metrics.md describes each; a value not list
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 # Storage tiers, fastest first (the tiers a Residency Entry names, 4.4); ``other`` is any tier
 # name the protocol does not know.
@@ -45,6 +46,16 @@ EVICTION_CAUSES = (
     "fault",  # the serving copy is missing or damaged
     "reshard_release",  # a finished reshard move released it
 )
+
+
+_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
+
+
+def fastest(tier_names: Iterable[str]) -> str:
+    """The fastest of ``TIERS`` among tier names as Residency Entries give them: ``other`` for
+    a name the protocol does not know, and when there is none."""
+    other = len(TIERS) - 1
+    return TIERS[min((_RANK.get(name, other) for name in tier_names), default=other)]
 
 
 @functools.lru_cache(maxsize=4096)

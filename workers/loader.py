@@ -44,6 +44,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from django.conf import settings
 from django.db import connections
 
 from common.peers import PeerUnreachable, peer_client
+from kvsp import reasons
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseRequest, ReplicaRecord
 from workers import admission, control, fetch, replicas, tiers
@@ -175,6 +177,8 @@ class Loader:
     """One run of loading blocks into this node. ``check`` may refuse a verified block
     (raising ProtocolError) before it is kept; ``on_batch`` is told the keys of every batch
     admitted; ``pending_move_id`` admits the blocks pending for that reshard move, unpublished.
+    ``loaded_tiers`` counts the blocks admitted by the fastest tier they were in at the source
+    that served them (``kvsp.reasons.TIERS``).
     """
 
     def __init__(
@@ -219,6 +223,9 @@ class Loader:
         self._running = 0  # fetchers that have not said _DONE yet
         self._connections: fetch.BlockConnections | None = None
         self._unbatched: set[str] = set()  # sources that answer no batch of blocks
+        # The fastest tier of each fetched block at the source that served it, for ``tiers``.
+        self._source_tier: dict[str, str] = {}
+        self.loaded_tiers: Counter[str] = Counter()
         self._publisher = _Publisher(f"{label}-publish")
 
     # -- driving ---------------------------------------------------------------------------
@@ -362,6 +369,7 @@ class Loader:
             keys = [arrival.wanted.block_key for arrival in batch]
             with self._lock:
                 self.loaded.update(keys)
+                self.loaded_tiers.update(self._source_tier.get(key, "other") for key in keys)
             if self.on_batch is not None:
                 self.on_batch(keys)
             if self.pending_move_id is None:
@@ -659,4 +667,9 @@ class Loader:
         )
         spool = tiers.write_spool(self.instance, [fetched.buffer])
         self.links.add(source, fetched.transfer)
+        record = self._expected.get(block_key, {}).get(source)
+        if record is not None:
+            served_from = reasons.fastest(entry.tier for entry in record.residency)
+            with self._lock:
+                self._source_tier[block_key] = served_from
         return admission.LoadedBlock(ids, spool, fields, install)

@@ -11,7 +11,7 @@ from django.conf import settings
 from prometheus_client import Counter
 
 from common.metrics import TalliedCounter, count_all, database_figures, gauge
-from kvsp.reasons import DIRECTIVE_BLOCK_FAILURES, EVICTION_CAUSES
+from kvsp.reasons import DIRECTIVE_BLOCK_FAILURES, EVICTION_CAUSES, TIERS
 from workers.selectors import lease_totals
 
 _BOTH = ("control", "node")
@@ -36,8 +36,9 @@ TIER_MOVED_OCTETS = TalliedCounter(
 )
 DIRECTIVE_LOADED_BLOCKS = TalliedCounter(
     "kvsp_directive_loaded_blocks",
-    "Blocks of prefetch directives (6.5) a node loaded from peers.",
-    ["instance"],
+    "Blocks of prefetch directives (6.5) a node loaded from peers, by the fastest tier each was "
+    "in at the source that served it.",
+    ["instance", "tier"],
     roles=_BOTH,
 )
 DIRECTIVE_BLOCK_FAILURES_COUNTER = TalliedCounter(
@@ -68,16 +69,20 @@ def count_tier_move(instance: str, from_tier: str, to_tier: str, octets: int) ->
 
 @functools.cache
 def _directive_series(instance: str) -> tuple:
-    return DIRECTIVE_LOADED_BLOCKS.series(instance), {
+    return {tier: DIRECTIVE_LOADED_BLOCKS.series(instance, tier) for tier in TIERS}, {
         reason: DIRECTIVE_BLOCK_FAILURES_COUNTER.series(instance, reason)
         for reason in DIRECTIVE_BLOCK_FAILURES
     }
 
 
-def count_directive_blocks(instance: str, loaded: int, failed: dict[str, int]) -> None:
-    """One directive's blocks on a node: how many loaded, and how many did not, by why."""
+def count_directive_blocks(instance: str, loaded: dict[str, int], failed: dict[str, int]) -> None:
+    """One directive's blocks on a node: those loaded by the tier at their source, and those
+    that did not load by why."""
     loaded_series, failures = _directive_series(instance)
-    count_all([(loaded_series, loaded), *((failures[r], n) for r, n in failed.items())])
+    count_all(
+        [(loaded_series[t], n) for t, n in loaded.items()]
+        + [(failures[r], n) for r, n in failed.items()]
+    )
 
 
 BLOCKS_SENT = Counter(

@@ -85,7 +85,9 @@ class DirectiveRun:
         remaining_s = (row.deadline_at - timezone.now()).total_seconds()
         self.deadline = time.monotonic() + remaining_s
         self.loaded: set[str] = set()
-        self.fetched = 0  # blocks this run loaded from peers (held ones were there already)
+        # Blocks this run loaded from peers (held ones were there already), by the tier at the
+        # source that served each.
+        self.fetched: dict[str, int] = {}
         self.failure: loader.Failure | None = None
         self.deadline_hit = False
 
@@ -116,7 +118,7 @@ class DirectiveRun:
                 on_batch=self._progress,
             ).run()
             self.failure, self.deadline_hit = run.failure, run.deadline_hit
-            self.fetched = len(run.loaded)
+            self.fetched = dict(run.loaded_tiers)
         if missing and time.monotonic() >= self.deadline and not self._all_loaded():
             self.deadline_hit = True
         if self._all_loaded():

@@ -47,7 +47,7 @@ def exported(client, scene, django_capture_on_commit_callbacks) -> dict[str, lis
     with django_capture_on_commit_callbacks(execute=True):
         path = f"/kvsp/sessions/{session}/checkpoint"
         assert scene.ii1.put(path, document | {"timings_us": timings}).status_code == 201
-    node_metrics.count_directive_blocks("ii1", 3, {"not_found": 1})
+    node_metrics.count_directive_blocks("ii1", {"host": 3}, {"not_found": 1})
     node_metrics.count_evictions("ii1", [("capacity", 4096)])
     node_metrics.count_tier_move("ii1", "host", "disk", 4096)
     tally.write()

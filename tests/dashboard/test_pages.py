@@ -192,7 +192,9 @@ def test_the_overview_charts_why_misses_where_tokens_come_from_and_evictions(adm
     from workers import metrics as node_metrics
 
     # What ii1's node counted (its worker and server: tests/node drive them for real).
-    node_metrics.count_directive_blocks("ii1", 2, {"digest_mismatch": 1, "past_failure": 3})
+    node_metrics.count_directive_blocks(
+        "ii1", {"disk": 2}, {"digest_mismatch": 1, "past_failure": 3}
+    )
     node_metrics.count_evictions("ii1", [("capacity", 4096), ("scope_quota", 4096)])
     node_metrics.count_evictions("ii2", [("fault", 4096)])
     tally.write()

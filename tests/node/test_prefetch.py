@@ -246,6 +246,16 @@ def test_the_node_counts_the_blocks_its_worker_did_not_load_by_why(cluster, stan
     expected["digest_mismatch"] = 1
     wait_until(lambda: added() == expected, "the digest mismatch counted")
 
+    # A block loaded counts by the tier it was in at the source that served it: n1's host.
+    loaded = counted(n2, "kvsp_directive_loaded_blocks", "tier").get("host", 0)
+    [(fresh, _)] = put_chain(cluster, n1, 1, 548)
+    body = directive_body(cluster, [(fresh, [n1.url])])
+    assert run_directive(cluster, n2, body)["state"] == "complete"
+    wait_until(
+        lambda: counted(n2, "kvsp_directive_loaded_blocks", "tier").get("host") == loaded + 1,
+        "the loaded block counted",
+    )
+
 
 def test_a_failed_block_stops_the_prefix_where_it_is(cluster):
     n1, n2 = cluster.node("n1"), cluster.node("n2")
