@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from common.metrics import TalliedCounter, count_all, database_figures, gauge
@@ -51,18 +52,25 @@ def _series() -> tuple:
     )
 
 
-def source_tiers(positions: list[int], first_sources: list[str], groups) -> list[int]:
-    """Blocks per tier of ``TIERS``: each directive block (its position in the lookup) in the
-    fastest tier its first source (``first_sources``, by block) has layers of it in."""
-    source_at = dict(zip(positions, first_sources, strict=True))
+def source_tiers(positions: np.ndarray, sources: list[list[str]], source_of: np.ndarray, groups):
+    """Blocks per tier of ``TIERS``: each block of a directive (``pricing.directive_sources``:
+    its position in the lookup, and its list of sources) in the fastest tier its first source
+    has layers of it in, read from the lookup's ``ReplicaGroup``s."""
     counts = [0] * len(TIERS)
+    if not len(positions):
+        return counts
+    column: dict[str, int] = {}
+    first_of_row = np.asarray([column.setdefault(row[0], len(column)) for row in sources])
+    source_at = np.full(int(positions.max()) + 1, -1, dtype=np.int64)
+    source_at[positions] = first_of_row[source_of]
     for group in groups:
-        rank = None
-        for position in group.positions:
-            if source_at.get(position) == group.holder:
-                if rank is None:
-                    rank = _TIER_RANK[fastest_tier(group.residency_json)]
-                counts[rank] += 1
+        holder = column.get(group.holder)
+        if holder is None:
+            continue
+        at = np.asarray(group.positions, dtype=np.int64)
+        served = int(np.count_nonzero(source_at[at[at < len(source_at)]] == holder))
+        if served:
+            counts[_TIER_RANK[fastest_tier(group.residency_json)]] += served
     return counts
 
 

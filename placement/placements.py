@@ -123,8 +123,7 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
                 b"".join(map(keys.__getitem__, positions.tolist())), sources, source_of
             )
             directive = _send_directive(instance, request, scope_id, compat_id, packed)
-            first = [sources[s][0] for s in source_of.tolist()]
-            peer_tiers = placement_metrics.source_tiers(positions.tolist(), first, groups)
+            peer_tiers = placement_metrics.source_tiers(positions, sources, source_of, groups)
     placement_metrics.observe_placement(
         prompt_tokens=len(request.tokens),
         block_tokens=block_tokens,
