@@ -330,7 +330,7 @@ def _cache_tokens_lines(page: Page) -> list[dict]:
     cached = {"own": "from cache (own tiers)", "peer": "from cache (peers)"}
     return _summed_lines(
         _minutes(page).get("kvsp_placement_tokens", ()),
-        lambda labels: cached.get(labels[0], "recomputed"),
+        lambda labels: cached.get(labels[1], "recomputed") if _own(page, labels) else None,
     )
 
 
@@ -631,11 +631,17 @@ INSTANCE = (
     Section("leases", "Leases it granted", _LEASES, _leases_data),
     Section(
         "cache",
-        "Blocks it did not load and blocks it evicted",
+        "Where its cache hits and why it misses",
         "dashboard/sections/cache.html",
         _cache_data,
         (
             Chart("why_misses", "Why misses, per minute", "blocks", _why_misses_lines),
+            Chart(
+                "cache_tokens",
+                "Prompt tokens placed on it, from cache and recomputed",
+                "tokens",
+                _cache_tokens_lines,
+            ),
             Chart("evictions", "Evictions by cause", "blocks", _eviction_lines),
         ),
     ),

@@ -18,14 +18,14 @@ TOKEN_ORIGINS = ("own", "peer", "recompute")
 
 PLACEMENT_TOKENS = TalliedCounter(
     "kvsp_placement_tokens",
-    "Prompt tokens of placements, by where the chosen instance gets them: its own tiers "
+    "Prompt tokens of placements, by the instance chosen and where it gets them: its own tiers "
     "(own), a peer through the prefetch directive (peer), or computing them (recompute).",
-    ["origin"],
+    ["instance", "origin"],
 )
 PLACEMENT_RECOMPUTES = TalliedCounter(
     "kvsp_placement_recomputes",
     "Placements whose chosen instance loads no block and computes the whole prompt, by why.",
-    ["reason"],
+    ["instance", "reason"],
 )
 # vLLM's vllm:external_prefix_cache_hits counts the tokens its KV connector loads: here, what a
 # directive has the instance load from peers.
@@ -43,10 +43,10 @@ _TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 
 
 @functools.cache
-def _series() -> tuple:
+def _series(instance: str) -> tuple:
     return (
-        {origin: PLACEMENT_TOKENS.series(origin) for origin in TOKEN_ORIGINS},
-        {reason: PLACEMENT_RECOMPUTES.series(reason) for reason in RECOMPUTE_REASONS},
+        {origin: PLACEMENT_TOKENS.series(instance, origin) for origin in TOKEN_ORIGINS},
+        {reason: PLACEMENT_RECOMPUTES.series(instance, reason) for reason in RECOMPUTE_REASONS},
         [EXTERNAL_PREFIX_CACHE_HITS.series(tier) for tier in TIERS],
         [EXTERNAL_PREFIX_CACHE_HIT_BLOCKS.series(tier) for tier in TIERS],
     )
@@ -75,6 +75,7 @@ def source_tiers(positions: np.ndarray, sources: list[list[str]], source_of: np.
 
 
 def observe_placement(
+    instance: str,
     *,
     prompt_tokens: int,
     block_tokens: int,
@@ -82,10 +83,10 @@ def observe_placement(
     peer_blocks_by_tier: list[int],
     recompute_reason: str | None,
 ) -> None:
-    """One placement: the chosen instance loads ``loaded_blocks`` (those of
+    """One placement: the chosen ``instance`` (its name) loads ``loaded_blocks`` (those of
     ``peer_blocks_by_tier`` from peers, the rest from its own tiers) and computes the rest of
     the prompt; ``recompute_reason`` (of ``RECOMPUTE_REASONS``) when it loads nothing."""
-    tokens, recomputes, external, external_blocks = _series()
+    tokens, recomputes, external, external_blocks = _series(instance)
     peer = sum(peer_blocks_by_tier)
     counts = [
         (tokens["own"], (loaded_blocks - peer) * block_tokens),

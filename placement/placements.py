@@ -125,6 +125,7 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
             directive = _send_directive(instance, request, scope_id, compat_id, packed)
             peer_tiers = placement_metrics.source_tiers(positions, sources, source_of, groups)
     placement_metrics.observe_placement(
+        instance.name,
         prompt_tokens=len(request.tokens),
         block_tokens=block_tokens,
         loaded_blocks=price.matched if loads else 0,

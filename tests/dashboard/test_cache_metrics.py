@@ -113,10 +113,10 @@ def test_a_placement_splits_its_tokens_and_counts_the_tier_of_each_source(client
     for tier in ("device", "host", "disk"):
         assert added[("kvsp_prefix_cache_hits_total", (source, ("tier", tier)))] == BLOCK_TOKENS
         assert added[("kvsp_prefix_cache_hit_blocks_total", (source, ("tier", tier)))] == 1
-    tokens = "kvsp_placement_tokens_total"
-    assert added[(tokens, (("origin", "own"),))] == BLOCK_TOKENS
-    assert added[(tokens, (("origin", "peer"),))] == 2 * BLOCK_TOKENS
-    assert added[(tokens, (("origin", "recompute"),))] == prompt - 3 * BLOCK_TOKENS
+    tokens, fast = "kvsp_placement_tokens_total", ("instance", "fast")
+    assert added[(tokens, (fast, ("origin", "own")))] == BLOCK_TOKENS
+    assert added[(tokens, (fast, ("origin", "peer")))] == 2 * BLOCK_TOKENS
+    assert added[(tokens, (fast, ("origin", "recompute")))] == prompt - 3 * BLOCK_TOKENS
     external = "kvsp_external_prefix_cache_hits_total"
     assert added[(external, (("tier", "device"),))] == BLOCK_TOKENS
     assert added[(external, (("tier", "host"),))] == BLOCK_TOKENS
@@ -125,13 +125,15 @@ def test_a_placement_splits_its_tokens_and_counts_the_tier_of_each_source(client
 
 
 def recompute_reasons(client, cluster) -> dict:
+    """Why the chosen instance recomputes one placement: {(instance, reason): count}."""
     figures = Figures(client)
     answer = body(cluster.place())
     assert answer["directive"] is None
     added = figures.added()
-    assert added[("kvsp_placement_tokens_total", (("origin", "recompute"),))] == len(cluster.tokens)
+    recomputed = (("instance", answer["name"]), ("origin", "recompute"))
+    assert added[("kvsp_placement_tokens_total", recomputed)] == len(cluster.tokens)
     return {
-        dict(labels)["reason"]: value
+        (dict(labels)["instance"], dict(labels)["reason"]): value
         for (name, labels), value in added.items()
         if name == "kvsp_placement_recomputes_total"
     }
@@ -139,14 +141,14 @@ def recompute_reasons(client, cluster) -> dict:
 
 def test_a_placement_that_recomputes_says_why(client, cluster):
     up("quick", scope=cluster.scope, links=[], prefill_tokens_per_s=20_000)
-    assert recompute_reasons(client, cluster) == {"no_match": 1}
+    assert recompute_reasons(client, cluster) == {("quick", "no_match"): 1}
 
     cluster.publish(4)
-    assert recompute_reasons(client, cluster) == {"no_link": 1}
+    assert recompute_reasons(client, cluster) == {("quick", "no_link"): 1}
 
     up("slow", scope=cluster.scope, links=[link(100)], prefill_tokens_per_s=10_000)
     Instance.objects.filter(name="quick").update(state="draining")
-    assert recompute_reasons(client, cluster) == {"recompute_cheaper": 1}
+    assert recompute_reasons(client, cluster) == {("slow", "recompute_cheaper"): 1}
 
 
 def test_a_placement_whose_blocks_are_only_at_inactive_instances_says_so(client, cluster):
@@ -154,7 +156,7 @@ def test_a_placement_whose_blocks_are_only_at_inactive_instances_says_so(client,
     gone = up("gone", scope=cluster.scope, links=[])
     cluster.publish(4, holder="http://gone.test/kvsp/", caller=gone)
     Instance.objects.filter(name="gone").update(state="failed")
-    assert recompute_reasons(client, cluster) == {"source_inactive": 1}
+    assert recompute_reasons(client, cluster) == {("engine", "source_inactive"): 1}
 
 
 def test_a_sessions_time_to_first_token_and_its_steps_are_histograms(

@@ -90,7 +90,8 @@ def test_the_instance_page_shows_its_figures_directives_sessions_and_replicas(ad
     assert "Its replicas, to withdraw some" in html
     answer = admin_client.get("/live/instances/ii1").json()
     assert set(answer["html"]) == {section.name for section in sections.INSTANCE}
-    charts = {"load", "kv_utilization", "rates", "prefetch_latency", "why_misses", "evictions"}
+    charts = {"load", "kv_utilization", "rates", "prefetch_latency"}
+    charts |= {"why_misses", "cache_tokens", "evictions"}
     assert charts == set(answer["series"])
     rates = {line["name"]: line["points"] for line in answer["series"]["rates"]["lines"]}
     assert rates["prefill"][0][1] == 10_000 and rates["decode"][0][1] == 1_000
@@ -230,3 +231,9 @@ def test_the_overview_charts_why_misses_where_tokens_come_from_and_evictions(adm
     other = admin_client.get("/live/instances/ii2").json()["series"]
     assert other["why_misses"]["lines"] == []
     assert {line["name"] for line in other["evictions"]["lines"]} == {"fault"}
+    # The scene's placement is on the page of the instance it chose, and only there.
+    placed = {
+        name: sum(sum(p[1] for p in line["points"]) for line in figures["cache_tokens"]["lines"])
+        for name, figures in (("ii1", own), ("ii2", other))
+    }
+    assert sorted(placed.values()) == [0, len(scene.cluster.tokens)]
