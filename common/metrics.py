@@ -11,19 +11,29 @@ Two kinds of figures:
   directives and their latency, sessions and their failovers, leases, reshards — is read from
   it at scrape time. Work that Celery workers finish (a directive's outcome, a failover) is
   counted that way too, and every server of a role answers alike.
+- Counters that the dashboard charts over time, or that are counted where no scrape reaches (a
+  node's Celery worker loading blocks or evicting them), are ``TalliedCounter``s: a process adds
+  to memory, and its ``Tally`` adds what it holds to ``common.CounterTotal`` (one row per
+  series) and ``common.CounterMinute`` (one per series and minute) in one batch, after a
+  response at most once per ``TALLY_WRITE_INTERVAL_S``, and after every Celery task that
+  counted. A scrape reads the totals, one row per series: on a node, its own.
 
 Endpoints are labelled by URL pattern name, never by path, so the number of series stays bounded.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from datetime import datetime
 
+import orjson
 from django.conf import settings
+from django.core.signals import request_finished
 from django.db import DatabaseError
 from django.http import HttpResponse
 from django.utils import timezone
@@ -36,7 +46,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +133,142 @@ class DatabaseCollector:
         yield gauge(
             "kvsp_database_up", "Whether this scrape could read the database.", (), [((), up)]
         )
+
+
+# --- Counted in memory, added to the database in batches ---------------------------------------
+
+
+class Tally:
+    """Counts this process made and has not yet written, per minute and key; ``write`` is given
+    them as ``{(minute, key): count}`` and loses nothing when it raises ``DatabaseError``: the
+    counts are kept for the next try, so that a count never fails the request that made it.
+
+    Counting only adds to memory; the counts go to the database after a response has been
+    sent (``write_if_due``), at most once per ``interval()`` seconds, so the hot path never
+    waits on a write. A process that stops loses at most what it counted since.
+    """
+
+    def __init__(self, write: Callable[[dict], None], interval: Callable[[], float]):
+        self._write_pending = write
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[datetime, Hashable], int] = {}
+        self._written_at = 0.0
+
+    def add(self, counts: Iterable[tuple[Hashable, int]], now: datetime) -> None:
+        minute = now.replace(second=0, microsecond=0)
+        with self._lock:
+            pending = self._pending
+            for key, amount in counts:
+                if amount:
+                    pending[minute, key] = pending.get((minute, key), 0) + amount
+
+    def take(self) -> dict[tuple[datetime, Hashable], int]:
+        """The counts not yet written, which this tally then forgets."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._written_at = time.monotonic()
+        return pending
+
+    def write_if_due(self, **_) -> None:
+        """``request_finished`` receiver: write when there is something and the time has come."""
+        with self._lock:
+            due = time.monotonic() - self._written_at >= self._interval()
+            if not (self._pending and due):
+                return
+        self._write(self.take())
+
+    def write(self, **_) -> None:
+        """Write everything counted so far, now (a receiver of Celery's ``task_postrun``)."""
+        if self._pending:
+            self._write(self.take())
+
+    def _write(self, pending: dict) -> None:
+        if not pending:
+            return
+        try:
+            self._write_pending(pending)
+        except DatabaseError:
+            log.warning("could not write %d counts; will retry", len(pending))
+            with self._lock:
+                for key, amount in pending.items():
+                    self._pending[key] = self._pending.get(key, 0) + amount
+
+
+# How often a server process writes what its tally counted.
+TALLY_WRITE_INTERVAL_S = 1.0
+
+# Every ``TalliedCounter`` by name, for the scrape and the dashboard.
+TALLIED: dict[str, TalliedCounter] = {}
+
+
+def _add_counts(pending: dict) -> None:
+    from common import services  # models load after this module
+
+    services.do_add_counts(pending)
+
+
+tally = Tally(_add_counts, lambda: TALLY_WRITE_INTERVAL_S)
+
+
+class TalliedCounter:
+    """A counter whose counts every process adds to the database through ``tally``, shown at
+    the scrapes of ``roles``. A counter with an ``instance`` label (the node that counted,
+    first) shows on a node only its own series."""
+
+    def __init__(self, name: str, documentation: str, labels=(), *, roles=("control",)):
+        self.name = name
+        self.documentation = documentation
+        self.label_names = tuple(labels)
+        self.roles = frozenset(roles)
+        self.per_instance = self.label_names[:1] == ("instance",)
+        TALLIED[name] = self
+
+    @functools.cache  # noqa: B019 - one per counter and label values, kept for the process
+    def series(self, *values: str) -> tuple[str, str]:
+        """The key of one series (kept: a hot path resolves it once, then passes it to
+        ``count_all`` with its amount)."""
+        if len(values) != len(self.label_names):
+            raise ValueError(f"{self.name} has labels {self.label_names}")
+        return self.name, orjson.dumps(values).decode()
+
+    def count(self, *values: str, amount: int = 1, now: datetime | None = None) -> None:
+        tally.add([(self.series(*values), amount)], now or timezone.now())
+
+
+def count_all(counts: Iterable[tuple[tuple[str, str], int]], now: datetime | None = None) -> None:
+    """Several ``(series, amount)`` at once, under one lock."""
+    tally.add(counts, now or timezone.now())
+
+
+def connect_tally() -> None:
+    request_finished.connect(tally.write_if_due, dispatch_uid="kvsp-counter-tally")
+    from celery.signals import task_postrun
+
+    task_postrun.connect(tally.write, weak=False, dispatch_uid="kvsp-counter-tally")
+
+
+@database_figures("control", "node")
+def tallied_figures(now):
+    """The totals of every ``TalliedCounter`` this role shows, one row per series."""
+    from common.models import CounterTotal
+
+    role = settings.KVSP_ROLE
+    shown = {name: counter for name, counter in TALLIED.items() if role in counter.roles}
+    if not shown:
+        return
+    families = {
+        name: CounterMetricFamily(name, counter.documentation, labels=counter.label_names)
+        for name, counter in shown.items()
+    }
+    own = settings.KVSP_INSTANCE if role == "node" else None
+    rows = CounterTotal.objects.filter(name__in=list(shown)).values_list("name", "labels", "value")
+    for name, labels, value in rows:
+        values = orjson.loads(labels)
+        if own is not None and shown[name].per_instance and values[0] != own:
+            continue
+        families[name].add_metric(values, value)
+    yield from families.values()
 
 
 class _ThisProcess:

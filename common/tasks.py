@@ -118,3 +118,13 @@ def add_housekeeping(name: str, task: str, seconds: float, queue: str = CONTROL_
         "schedule": seconds,
         "options": {"queue": queue, "expires": seconds},
     }
+
+
+@kvsp_task(name="common.prune_counter_minutes", time_limit=120, max_retries=0)
+def prune_counter_minutes():
+    from common import services  # models load after this module
+
+    return services.do_prune_counter_minutes()
+
+
+add_housekeeping("prune-counter-minutes", "common.prune_counter_minutes", 3600.0)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+import common.metrics
+import common.selectors
 import index.selectors
 import placement.selectors
 import sessions.selectors
@@ -259,6 +261,124 @@ def _hit_ratio_lines(page: Page) -> list[dict]:
     ]
 
 
+# --- Where the cache hits and why it misses (docs/metrics.md) -----------------------------------
+
+# The tallied counters whose reasons the "why misses" chart draws, and how each line is named.
+_MISS_COUNTERS = (
+    ("kvsp_prefix_cache_missed_blocks", "lookup stop"),
+    ("kvsp_placement_recomputes", "recompute"),
+    ("kvsp_directive_block_failures", "block not loaded"),
+)
+
+
+_CACHE_COUNTERS = (
+    *(counter for counter, _ in _MISS_COUNTERS),
+    "kvsp_placement_tokens",
+    "kvsp_prefix_cache_query_blocks",
+    "kvsp_prefix_cache_hit_blocks",
+    "kvsp_evictions",
+)
+
+
+def _minutes(page: Page) -> dict:
+    """The cache's tallied counters per minute over the page's window, read once a drawing."""
+    return page.once(
+        "counter_minutes", lambda: common.selectors.counter_minutes(_CACHE_COUNTERS, page.since)
+    )
+
+
+def _own(page: Page, labels: tuple) -> bool:
+    """Whether a series of a counter with an ``instance`` label is the page's instance's."""
+    return page.instance is None or labels[0] == page.instance.name
+
+
+def _shown_misses(page: Page):
+    """The miss counters a page shows: an instance's page, only those counted per instance."""
+    return [
+        (counter, kind)
+        for counter, kind in _MISS_COUNTERS
+        if page.instance is None or common.metrics.TALLIED[counter].per_instance
+    ]
+
+
+def _own_series(page: Page, counter: str, labels: tuple) -> bool:
+    return not common.metrics.TALLIED[counter].per_instance or _own(page, labels)
+
+
+def _summed_lines(rows, name_of) -> list[dict]:
+    """One line per name ``name_of(labels)`` gives (None: left out), summed per minute."""
+    lines: dict[str, dict] = {}
+    for minute, labels, value in rows:
+        name = name_of(labels)
+        if name is not None:
+            points = lines.setdefault(name, {})
+            points[minute] = points.get(minute, 0) + value
+    return [_line(name, sorted(points.items())) for name, points in sorted(lines.items())]
+
+
+def _why_misses_lines(page: Page) -> list[dict]:
+    found = _minutes(page)
+    rows = []
+    for counter, kind in _shown_misses(page):
+        for minute, labels, value in found.get(counter, ()):
+            if _own_series(page, counter, labels):
+                rows.append((minute, (kind, labels[-1]), value))
+    return _summed_lines(rows, lambda labels: f"{labels[0]}: {labels[1]}")
+
+
+def _cache_tokens_lines(page: Page) -> list[dict]:
+    cached = {"own": "from cache (own tiers)", "peer": "from cache (peers)"}
+    return _summed_lines(
+        _minutes(page).get("kvsp_placement_tokens", ()),
+        lambda labels: cached.get(labels[1], "recomputed") if _own(page, labels) else None,
+    )
+
+
+def _tier_hit_ratio_lines(page: Page) -> list[dict]:
+    found = _minutes(page)
+    asked: dict[datetime, int] = {}
+    for minute, _, value in found.get("kvsp_prefix_cache_query_blocks", ()):
+        asked[minute] = asked.get(minute, 0) + value
+    hits: dict[str, dict] = {}
+    for minute, (_, tier), value in found.get("kvsp_prefix_cache_hit_blocks", ()):
+        points = hits.setdefault(tier, {})
+        points[minute] = points.get(minute, 0) + value
+    return [
+        _line(tier, ((m, hits[tier].get(m, 0) / n) for m, n in sorted(asked.items()) if n))
+        for tier in _tier_names()
+        if tier in hits
+    ]
+
+
+def _eviction_lines(page: Page) -> list[dict]:
+    return _summed_lines(
+        _minutes(page).get("kvsp_evictions", ()),
+        lambda labels: (
+            (labels[1] if page.instance else f"{labels[0]}: {labels[1]}")
+            if _own(page, labels)
+            else None
+        ),
+    )
+
+
+def _cache_data(page: Page) -> dict:
+    """What the last hour added, by reason: the figures of the charts in a table."""
+    found = _minutes(page)
+    rows = []
+    for counter, kind in _shown_misses(page):
+        totals: dict[str, int] = {}
+        for _, labels, value in found.get(counter, ()):
+            if _own_series(page, counter, labels):
+                totals[labels[-1]] = totals.get(labels[-1], 0) + value
+        rows += [(kind, reason, n) for reason, n in sorted(totals.items())]
+    evictions: dict[str, int] = {}
+    for _, labels, value in found.get("kvsp_evictions", ()):
+        if _own(page, labels):
+            evictions[labels[1]] = evictions.get(labels[1], 0) + value
+    rows += [("eviction", cause, n) for cause, n in sorted(evictions.items())]
+    return {"rows": rows}
+
+
 # --- Prefetch directives (6.5) ----------------------------------------------------------------
 
 
@@ -452,6 +572,23 @@ OVERVIEW = (
         (Chart("hit_ratio", "Lookup hit ratio per minute", "ratio", _hit_ratio_lines),),
     ),
     Section(
+        "cache",
+        "Where the cache hits and why it misses",
+        "dashboard/sections/cache.html",
+        _cache_data,
+        (
+            Chart("why_misses", "Why misses, per minute", "blocks", _why_misses_lines),
+            Chart(
+                "cache_tokens",
+                "Prompt tokens from cache and recomputed",
+                "tokens",
+                _cache_tokens_lines,
+            ),
+            Chart("tier_hits", "Lookup hit ratio per tier", "ratio", _tier_hit_ratio_lines),
+            Chart("evictions", "Evictions by cause per holder", "blocks", _eviction_lines),
+        ),
+    ),
+    Section(
         "directives",
         "Prefetch directives",
         _DIRECTIVES,
@@ -492,6 +629,22 @@ INSTANCE = (
         _instance_replicas_data,
     ),
     Section("leases", "Leases it granted", _LEASES, _leases_data),
+    Section(
+        "cache",
+        "Where its cache hits and why it misses",
+        "dashboard/sections/cache.html",
+        _cache_data,
+        (
+            Chart("why_misses", "Why misses, per minute", "blocks", _why_misses_lines),
+            Chart(
+                "cache_tokens",
+                "Prompt tokens placed on it, from cache and recomputed",
+                "tokens",
+                _cache_tokens_lines,
+            ),
+            Chart("evictions", "Evictions by cause", "blocks", _eviction_lines),
+        ),
+    ),
 )
 
 SESSION = (Section("session", "Session", "dashboard/sections/session.html", _session_data),)

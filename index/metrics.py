@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import functools
-import logging
-import threading
-import time
+import collections
 from datetime import datetime
 
+import numpy as np
 from django.core.signals import request_finished
-from django.db import DatabaseError
+from django.db import transaction
 from django.utils import timezone
 from prometheus_client import Counter, Histogram
 
-from common.metrics import database_figures, gauge
-
-log = logging.getLogger(__name__)
+from common.metrics import TalliedCounter, Tally, count_all, database_figures, gauge
+from kvsp.reasons import LOOKUP_STOPS, TIERS, fastest_tier
 
 LOOKUPS = Counter(
     "kvsp_lookups",
@@ -36,77 +34,109 @@ LOOKUP_MATCHED_RATIO = Histogram(
 )
 
 
+# What lookups asked for and where they hit, named as vLLM names its prefix cache's figures
+# (vllm:prefix_cache_queries, vllm:prefix_cache_hits) where the meaning is the same. ``source``
+# is ``lookup`` (POST lookup) or ``placement``; tokens are counted where the request has them
+# (placements: a lookup names Block Keys only, and its block size is not read on the hot path).
+PREFIX_CACHE_QUERIES = TalliedCounter(
+    "kvsp_prefix_cache_queries", "Prompt tokens looked up in the index.", ["source"]
+)
+PREFIX_CACHE_HITS = TalliedCounter(
+    "kvsp_prefix_cache_hits",
+    "Prompt tokens of the matched prefix, by the fastest tier among each block's replicas.",
+    ["source", "tier"],
+)
+PREFIX_CACHE_QUERY_BLOCKS = TalliedCounter(
+    "kvsp_prefix_cache_query_blocks", "Block Keys looked up in the index.", ["source"]
+)
+PREFIX_CACHE_HIT_BLOCKS = TalliedCounter(
+    "kvsp_prefix_cache_hit_blocks",
+    "Blocks of the matched prefix, by the fastest tier among each block's replicas.",
+    ["source", "tier"],
+)
+PREFIX_CACHE_STOPS = TalliedCounter(
+    "kvsp_prefix_cache_stops",
+    "Lookups whose chain of Block Keys stopped before its end, by why (kvsp.reasons).",
+    ["source", "reason"],
+)
+PREFIX_CACHE_MISSED_BLOCKS = TalliedCounter(
+    "kvsp_prefix_cache_missed_blocks",
+    "Block Keys asked for at and after the stop of a lookup's chain, by why it stopped.",
+    ["source", "reason"],
+)
+_TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
+
+
+def hit_tiers(replica_lists) -> list[int]:
+    """Blocks per tier of ``TIERS``: each block (its list of replicas, ``ReplicaRow``s) counted
+    in the fastest tier any of its replicas has layers in. On the lookup's hot path: blocks are
+    first counted by their replicas' residencies (a handful of distinct ones), in C."""
+    shapes = collections.Counter(
+        replicas[0].residency_json
+        if len(replicas) == 1
+        else tuple(replica.residency_json for replica in replicas)
+        for replicas in replica_lists
+    )
+    counts = [0] * len(TIERS)
+    for shape, blocks in shapes.items():
+        residencies = (shape,) if isinstance(shape, str) else shape
+        counts[min(_TIER_RANK[fastest_tier(residency)] for residency in residencies)] += blocks
+    return counts
+
+
+def hit_tiers_of_groups(matched: int, groups) -> list[int]:
+    """``hit_tiers`` of the first ``matched`` blocks from their ``ReplicaGroup``s: the groups
+    slowest tier first, each overwriting the blocks it has, so each block ends at its fastest."""
+    other = len(TIERS) - 1
+    fastest = np.full(matched, other, dtype=np.int64)
+    ranked = [(_TIER_RANK[fastest_tier(group.residency_json)], group) for group in groups]
+    for rank, group in sorted(ranked, key=lambda pair: pair[0], reverse=True):
+        if rank < other:
+            positions = np.asarray(group.positions, dtype=np.int64)
+            fastest[positions[positions < matched]] = rank
+    return np.bincount(fastest, minlength=len(TIERS)).tolist()
+
+
 # --- Lookup outcomes, for /metrics and for the dashboard's hit ratio over time ----------------
 
 # How often a process writes the lookups it counted to the database (index.LookupBucket).
 LOOKUP_WRITE_INTERVAL_S = 1.0
 
 
-class LookupTally:
-    """Lookups this process counted and has not yet added to ``index.LookupBucket``.
-
-    A lookup only adds to memory; the counts go to the database in one upsert per minute
-    bucket, after a response has been sent and at most once per ``LOOKUP_WRITE_INTERVAL_S``,
-    so the hot path never waits on a write. A process that stops loses at most that long.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        # minute -> [lookups, hits, block_keys, matched_blocks]
-        self._pending: dict[datetime, list[int]] = {}
-        self._written_at = 0.0
-
-    def add(self, block_keys: int, matched: int, now: datetime) -> None:
-        minute = now.replace(second=0, microsecond=0)
-        with self._lock:
-            counts = self._pending.setdefault(minute, [0, 0, 0, 0])
-            counts[0] += 1
-            counts[1] += 1 if matched else 0
-            counts[2] += block_keys
-            counts[3] += matched
-
-    def take(self) -> dict[datetime, list[int]]:
-        """The counts not yet written, which this tally then forgets."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-            self._written_at = time.monotonic()
-        return pending
-
-    def write_if_due(self, **_) -> None:
-        """``request_finished`` receiver: write when there is something and the time has come."""
-        with self._lock:
-            due = time.monotonic() - self._written_at >= LOOKUP_WRITE_INTERVAL_S
-            if not (self._pending and due):
-                return
-        self._write(self.take())
-
-    def write(self) -> None:
-        """Write everything counted so far, now."""
-        self._write(self.take())
-
-    def _write(self, pending: dict[datetime, list[int]]) -> None:
-        from index.services import do_record_lookups  # services import this module
-
-        for minute, (lookups, hits, block_keys, matched) in sorted(pending.items()):
-            try:
-                do_record_lookups(
-                    minute,
-                    lookups=lookups,
-                    hits=hits,
-                    block_keys=block_keys,
-                    matched_blocks=matched,
-                )
-            except DatabaseError:
-                # Counts are figures for a chart: keep them for the next try, never fail a request.
-                log.warning("could not record %d lookups of %s; will retry", lookups, minute)
-                with self._lock:
-                    counts = self._pending.setdefault(minute, [0, 0, 0, 0])
-                    for position, value in enumerate((lookups, hits, block_keys, matched)):
-                        counts[position] += value
+# The lookups of a minute as index.LookupBucket adds them up, in the order of its columns.
+_BUCKET_COLUMNS = ("lookups", "hits", "block_keys", "matched_blocks")
 
 
-lookup_tally = LookupTally()
+def _write_lookups(pending: dict) -> None:
+    """``Tally`` writer: each minute's counts added to its bucket, one upsert per minute, all or
+    none (the tally keeps what a failed write held, to try again)."""
+    from index.services import do_record_lookups  # services import this module
+
+    minutes: dict[datetime, dict[str, int]] = {}
+    for (minute, column), count in pending.items():
+        minutes.setdefault(minute, dict.fromkeys(_BUCKET_COLUMNS, 0))[column] += count
+    with transaction.atomic():
+        for minute, counts in sorted(minutes.items()):
+            do_record_lookups(minute, **counts)
+
+
+# Lookups this process counted and has not yet added to ``index.LookupBucket`` (the dashboard's
+# hit ratio over time): written as ``common.metrics.Tally`` writes, after a response.
+lookup_tally = Tally(_write_lookups, lambda: LOOKUP_WRITE_INTERVAL_S)
 request_finished.connect(lookup_tally.write_if_due, dispatch_uid="kvsp-lookup-tally")
+
+
+@functools.cache
+def _tallied_series(source: str) -> tuple:
+    (stop,) = LOOKUP_STOPS
+    return (
+        PREFIX_CACHE_QUERY_BLOCKS.series(source),
+        [PREFIX_CACHE_HIT_BLOCKS.series(source, tier) for tier in TIERS],
+        PREFIX_CACHE_QUERIES.series(source),
+        [PREFIX_CACHE_HITS.series(source, tier) for tier in TIERS],
+        PREFIX_CACHE_STOPS.series(source, stop),
+        PREFIX_CACHE_MISSED_BLOCKS.series(source, stop),
+    )
 
 
 @functools.cache
@@ -120,22 +150,58 @@ def _lookup_series(source: str) -> tuple:
     )
 
 
-def observe_lookup(source: str, block_keys: int, matched: int) -> None:
-    """One prefix lookup of ``block_keys`` keys whose first ``matched`` matched (6.2)."""
+def observe_lookup(
+    source: str,
+    block_keys: int,
+    matched: int,
+    tiers: list[int] = (),
+    *,
+    prompt_tokens: int = 0,
+    block_tokens: int = 0,
+) -> None:
+    """One prefix lookup of ``block_keys`` keys whose first ``matched`` matched (6.2), those
+    in each of ``TIERS`` as ``hit_tiers`` counts them; tokens when the caller knows them."""
     lookups, keys, matched_blocks, ratio = _lookup_series(source)
     lookups.inc()
     keys.inc(block_keys)
     matched_blocks.inc(matched)
     if block_keys:
         ratio.observe(matched / block_keys)
-    lookup_tally.add(block_keys, matched, timezone.now())
+    now = timezone.now()
+    lookup_tally.add(
+        (
+            ("lookups", 1),
+            ("hits", 1 if matched else 0),
+            ("block_keys", block_keys),
+            ("matched_blocks", matched),
+        ),
+        now,
+    )
+    query_blocks, hit_blocks, queries, hits, stops, missed = _tallied_series(source)
+    counts = [(query_blocks, block_keys), *zip(hit_blocks, tiers, strict=False)]
+    if prompt_tokens:
+        counts.append((queries, prompt_tokens))
+        hit_tokens = (blocks * block_tokens for blocks in tiers)
+        counts += zip(hits, hit_tokens, strict=False)
+    if matched < block_keys:
+        counts += ((stops, 1), (missed, block_keys - matched))
+    count_all(counts, now)
 
 
 @database_figures("control")
 def replica_figures(now):
     from index import selectors  # selectors import this module
 
-    totals = selectors.replica_tier_totals(now=now)
+    # Read at every scrape: estimated from a sample past a size, so a scrape's cost does not
+    # grow with the number of replicas.
+    totals, fraction = selectors.replica_tier_figures(now=now)
+    yield gauge(
+        "kvsp_replica_figures_sampled_fraction",
+        "The fraction of the replica table the replica gauges were read from: 1 when exact, "
+        "less when they are estimates from a sample of its pages.",
+        (),
+        [((), fraction)],
+    )
     yield gauge(
         "kvsp_replicas", "Unexpired replicas in the index (6.1).", (), [((), totals["replicas"])]
     )

@@ -225,7 +225,9 @@ def lookup(principal, request: LookupRequest, *, estimate: PriceTargets, now=Non
     keys = list(map(bytes.fromhex, request.block_keys))
     found = replica_rows_by_key(principal, compat_id, scope_id, keys, now=now)
     matched = matched_prefix(keys, found)
-    metrics.observe_lookup("lookup", len(keys), matched)
+    metrics.observe_lookup(
+        "lookup", len(keys), matched, metrics.hit_tiers(found[key] for key in keys[:matched])
+    )
     answer = {
         "matched": matched,
         "blocks": [
@@ -294,6 +296,66 @@ def replica_tier_totals(*, holder_id: int | None = None, now=None) -> dict:
     if holder_id is not None:
         replicas = replicas.filter(holder_id=holder_id)
     return _tier_figures(_with_tier_bits(replicas).aggregate(**_tier_aggregates()))
+
+
+# The most pages of the replica table a scrape reads for the figures of ``replica_tier_figures``:
+# past that they are estimated from a sample of this many pages, so that a scrape costs the same
+# however many replicas there are (BENCHMARKS.md, "Metrics").
+SCRAPE_SAMPLE_PAGES = 512
+
+_TABLE_SIZE = """
+SELECT pg_relation_size(c.oid) / current_setting('block_size')::bigint, c.reltuples, c.relpages
+FROM pg_class c WHERE c.oid = 'index_replica'::regclass
+"""
+_LIVE = "expires_at > %s"
+_SAMPLED_TIER_TOTALS = """
+SELECT count(*), count(*) FILTER (WHERE {live}), coalesce(sum(size) FILTER (WHERE {live}), 0),
+    {tiers}
+FROM index_replica TABLESAMPLE SYSTEM (%s)
+"""
+
+
+def replica_tier_figures(*, now=None, sample_pages: int | None = None) -> tuple[dict, float]:
+    """``replica_tier_totals`` of every holder, and the fraction of the replica table read for
+    them: 1.0 when they are exact. A table larger than ``sample_pages`` (Postgres) is sampled
+    (``TABLESAMPLE SYSTEM``: each page with the same chance), and the figures are the sample's
+    share of its rows times the rows the table holds, as the planner estimates them (rows per
+    page at the last ANALYZE times the pages now), which varies far less than the number of
+    pages a sample happens to take."""
+    now = now or timezone.now()
+    sample_pages = SCRAPE_SAMPLE_PAGES if sample_pages is None else sample_pages
+    if connection.vendor != "postgresql":
+        return replica_tier_totals(now=now), 1.0
+    with connection.cursor() as cursor:
+        cursor.execute(_TABLE_SIZE)
+        pages, analyzed_rows, analyzed_pages = cursor.fetchone()
+        if pages <= sample_pages:
+            return replica_tier_totals(now=now), 1.0
+        fraction = sample_pages / pages
+        held = [f"tier_mask & {t.value} > 0" for t in Tier]
+        tiers = ", ".join(
+            f"count(*) FILTER (WHERE {_LIVE} AND {h}), "
+            f"coalesce(sum(size) FILTER (WHERE {_LIVE} AND {h}), 0)"
+            for h in held
+        )
+        query = _SAMPLED_TIER_TOTALS.format(live=_LIVE, tiers=tiers)
+        cursor.execute(query, [now] * (2 + 2 * len(held)) + [100.0 * fraction])
+        sampled, *figures = (int(value) for value in cursor.fetchone())
+    if analyzed_pages > 0 and analyzed_rows >= 0:
+        rows = analyzed_rows / analyzed_pages * pages
+    else:  # never analyzed: the sample's rows scaled by its expected share of the pages
+        rows = sampled / fraction
+    scale = rows / sampled if sampled else 0.0
+    replicas, octets, *per_tier = (round(figure * scale) for figure in figures)
+    totals = {
+        "replicas": replicas,
+        "octets": octets,
+        "tiers": {
+            tier.label: {"replicas": per_tier[2 * i], "octets": per_tier[2 * i + 1]}
+            for i, tier in enumerate(Tier)
+        },
+    }
+    return totals, fraction
 
 
 def replicas_by_holder(*, now=None) -> list[dict]:

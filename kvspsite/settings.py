@@ -130,6 +130,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "common",
     "index",
     "placement",
     "sessions.apps.KvspSessionsConfig",

@@ -1,12 +1,104 @@
-"""The Placement Controller's figures, read from the database at each scrape: instances,
-prefetch directives and reshards."""
+"""The Placement Controller's figures: where each placement's prompt tokens come from, and why
+it recomputes them (counted as placements happen), and the instances, prefetch directives and
+reshards the database records (read at each scrape)."""
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from common.metrics import database_figures, gauge
+from common.metrics import TalliedCounter, count_all, database_figures, gauge
+from kvsp.reasons import RECOMPUTE_REASONS, TIERS, fastest_tier
 from placement import selectors
+
+# The tokens of each placed prompt by where the chosen instance gets them.
+TOKEN_ORIGINS = ("own", "peer", "recompute")
+
+PLACEMENT_TOKENS = TalliedCounter(
+    "kvsp_placement_tokens",
+    "Prompt tokens of placements, by the instance chosen and where it gets them: its own tiers "
+    "(own), a peer through the prefetch directive (peer), or computing them (recompute).",
+    ["instance", "origin"],
+)
+PLACEMENT_RECOMPUTES = TalliedCounter(
+    "kvsp_placement_recomputes",
+    "Placements whose chosen instance loads no block and computes the whole prompt, by why.",
+    ["instance", "reason"],
+)
+# vLLM's vllm:external_prefix_cache_hits counts the tokens its KV connector loads: here, what a
+# directive has the instance load from peers.
+EXTERNAL_PREFIX_CACHE_HITS = TalliedCounter(
+    "kvsp_external_prefix_cache_hits",
+    "Prompt tokens a placement's directive loads from peers, by the tier at the first source.",
+    ["tier"],
+)
+EXTERNAL_PREFIX_CACHE_HIT_BLOCKS = TalliedCounter(
+    "kvsp_external_prefix_cache_hit_blocks",
+    "Blocks a placement's directive loads from peers, by the tier at the first source.",
+    ["tier"],
+)
+_TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
+
+
+@functools.cache
+def _series(instance: str) -> tuple:
+    return (
+        {origin: PLACEMENT_TOKENS.series(instance, origin) for origin in TOKEN_ORIGINS},
+        {reason: PLACEMENT_RECOMPUTES.series(instance, reason) for reason in RECOMPUTE_REASONS},
+        [EXTERNAL_PREFIX_CACHE_HITS.series(tier) for tier in TIERS],
+        [EXTERNAL_PREFIX_CACHE_HIT_BLOCKS.series(tier) for tier in TIERS],
+    )
+
+
+def source_tiers(positions: np.ndarray, sources: list[list[str]], source_of: np.ndarray, groups):
+    """Blocks per tier of ``TIERS``: each block of a directive (``pricing.directive_sources``:
+    its position in the lookup, and its list of sources) in the fastest tier its first source
+    has layers of it in, read from the lookup's ``ReplicaGroup``s."""
+    counts = [0] * len(TIERS)
+    if not len(positions):
+        return counts
+    column: dict[str, int] = {}
+    first_of_row = np.asarray([column.setdefault(row[0], len(column)) for row in sources])
+    source_at = np.full(int(positions.max()) + 1, -1, dtype=np.int64)
+    source_at[positions] = first_of_row[source_of]
+    for group in groups:
+        holder = column.get(group.holder)
+        if holder is None:
+            continue
+        at = np.asarray(group.positions, dtype=np.int64)
+        served = int(np.count_nonzero(source_at[at[at < len(source_at)]] == holder))
+        if served:
+            counts[_TIER_RANK[fastest_tier(group.residency_json)]] += served
+    return counts
+
+
+def observe_placement(
+    instance: str,
+    *,
+    prompt_tokens: int,
+    block_tokens: int,
+    loaded_blocks: int,
+    peer_blocks_by_tier: list[int],
+    recompute_reason: str | None,
+) -> None:
+    """One placement: the chosen ``instance`` (its name) loads ``loaded_blocks`` (those of
+    ``peer_blocks_by_tier`` from peers, the rest from its own tiers) and computes the rest of
+    the prompt; ``recompute_reason`` (of ``RECOMPUTE_REASONS``) when it loads nothing."""
+    tokens, recomputes, external, external_blocks = _series(instance)
+    peer = sum(peer_blocks_by_tier)
+    counts = [
+        (tokens["own"], (loaded_blocks - peer) * block_tokens),
+        (tokens["peer"], peer * block_tokens),
+        (tokens["recompute"], prompt_tokens - loaded_blocks * block_tokens),
+        *zip(external_blocks, peer_blocks_by_tier, strict=True),
+        *zip(external, (blocks * block_tokens for blocks in peer_blocks_by_tier), strict=True),
+    ]
+    if recompute_reason is not None:
+        counts.append((recomputes[recompute_reason], 1))
+    count_all(counts)
+
 
 # Bounds of the prefetch latency histogram, in seconds.
 PREFETCH_LATENCY_BOUNDS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

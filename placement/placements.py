@@ -18,15 +18,17 @@ from django.db.models import Subquery
 from django.utils import timezone
 
 from common.permissions import may_read_scope
-from index import metrics
+from index.metrics import hit_tiers_of_groups, observe_lookup
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
 from kvsp.cost import CostBreakdown
 from kvsp.problems import ProtocolError
+from kvsp.reasons import TIERS
 from kvsp.records import PlacementRequest
 from placement import delivery, policy, pricing, services
-from placement.models import Directive, InstanceState
+from placement.metrics import observe_placement, source_tiers
+from placement.models import Directive, Instance, InstanceState
 from placement.selectors import candidates
 
 
@@ -89,7 +91,15 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
         now=now,
         lap=timer.lap,
     )
-    metrics.observe_lookup("placement", len(keys), len(prefix.blocks))
+    matched = prefix.matched
+    observe_lookup(
+        "placement",
+        len(keys),
+        matched,
+        hit_tiers_of_groups(matched, prefix.groups),
+        prompt_tokens=len(request.tokens),
+        block_tokens=block_tokens,
+    )
     priced = prefix.priced
     chosen = pricing.cheapest([e for e in priced if policy.acceptable(e.status, e.price)])
     woke = False
@@ -110,13 +120,24 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
 
     instance, _, price = chosen
     directive = None
-    if price.uses_cache or woke:
+    loads = price.uses_cache or woke
+    peer_tiers = [0] * len(TIERS)
+    if loads:
         positions, sources, source_of = prefix.directive_sources(chosen)
         if len(positions):
             packed = Directive.pack(
                 b"".join(map(keys.__getitem__, positions.tolist())), sources, source_of
             )
             directive = _send_directive(instance, request, scope_id, compat_id, packed)
+            peer_tiers = source_tiers(positions, sources, source_of, prefix.groups)
+    observe_placement(
+        instance.name,
+        prompt_tokens=len(request.tokens),
+        block_tokens=block_tokens,
+        loaded_blocks=price.matched if loads else 0,
+        peer_blocks_by_tier=peer_tiers,
+        recompute_reason=_recompute_reason(matched, price, loads, prefix.groups),
+    )
     timer.lap("directive")
     return {
         "instance": instance.url,
@@ -127,6 +148,21 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
         "candidates": [_candidate_json(i, b) for i, _, b in priced],
         "timings_us": timer.spent,
     }
+
+
+def _recompute_reason(matched: int, price: CostBreakdown, loads: bool, groups) -> str | None:
+    """Why the chosen instance loads nothing (``kvsp.reasons.RECOMPUTE_REASONS``); None when
+    it loads some blocks."""
+    if loads and price.matched:
+        return None
+    if not matched:
+        return "no_match"
+    if price.matched:
+        return "recompute_cheaper"
+    # Nothing loadable although blocks matched: read only on this path, never on a hit.
+    holders = {group.holder for group in groups if 0 in group.positions}
+    inactive = Instance.objects.filter(url__in=holders).exclude(state=InstanceState.ACTIVE)
+    return "source_inactive" if inactive.count() == len(holders) else "no_link"
 
 
 def _send_directive(instance, request, scope_id, compat_id, packed: dict) -> str:

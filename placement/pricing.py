@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from django.conf import settings
 
-from index.selectors import matched_prefix_of_groups, replica_groups
+from index.selectors import ReplicaGroup, matched_prefix_of_groups, replica_groups
 from kvsp import cost, pricing
 from placement.selectors import Candidate, LiveStatus, candidates, matched_block_table
 
@@ -68,6 +68,10 @@ class PricedPrefix:
     block_tokens: int
     prompt_tokens: int
     priced: list[PricedCandidate]
+    # How many leading keys matched, and their replicas grouped by holder and shape: what the
+    # metrics of a placement read (the tier of each hit, the sources used).
+    matched: int
+    groups: list[ReplicaGroup]
 
     def price(self, entries: Iterable[tuple[Candidate, LiveStatus]]) -> list[PricedCandidate]:
         """Other candidates (``placement.selectors.candidates``) priced on the same prefix."""
@@ -126,4 +130,4 @@ def price_prefix(
     priced = price_candidates(
         entries, blocks, block_tokens=block_tokens, prompt_tokens=prompt_tokens
     )
-    return PricedPrefix(blocks, block_tokens, prompt_tokens, priced)
+    return PricedPrefix(blocks, block_tokens, prompt_tokens, priced, matched, groups)

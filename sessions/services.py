@@ -125,6 +125,8 @@ def _record_checkpoint(principal, session_id: str, body: object, *, now=None) ->
                     timings_us=timings,
                 )
                 created = True
+                if timings is not None:
+                    transaction.on_commit(lambda: metrics.observe_timeline(timings))
         except IntegrityError:
             pass  # a concurrent first checkpoint won: treat this one as a later one
     with transaction.atomic():
@@ -149,6 +151,7 @@ def _record_checkpoint(principal, session_id: str, body: object, *, now=None) ->
         session.checkpoints += 1
         if timings is not None:
             session.timings_us = timings
+            transaction.on_commit(lambda: metrics.observe_timeline(timings))
         if session.state == SessionState.RESUMING:
             session.state = SESSION_STATES.next_state(session.state, SessionEvent.RESUMED)
         session.save()

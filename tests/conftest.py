@@ -34,23 +34,29 @@ def _fresh_authentication_failures():
 
 @pytest.fixture(autouse=True)
 def _fresh_lookup_tally():
-    """Lookups counted by earlier tests in this process are dropped, never written: the tally
+    """Lookups (and the other tallied counts) counted by earlier tests in this process are
+    dropped, never written: the tally
     writes on ``request_finished`` once its interval has passed, and a write landing inside
     another test would add a statement to its pinned query count, or counts to its buckets."""
+    from common.metrics import tally
     from index import metrics
 
     metrics.lookup_tally.take()
+    tally.take()
     yield
     metrics.lookup_tally.take()
+    tally.take()
 
 
 @pytest.fixture
 def lookup_tally_not_due(monkeypatch):
     """The lookup tally does not come due during the test: the statements of a request that
     looks up do not depend on whether a second has passed since the tally last wrote."""
+    from common import metrics as common_metrics
     from index import metrics
 
     monkeypatch.setattr(metrics, "LOOKUP_WRITE_INTERVAL_S", float("inf"))
+    monkeypatch.setattr(common_metrics, "TALLY_WRITE_INTERVAL_S", float("inf"))
 
 
 @pytest.fixture(scope="session")

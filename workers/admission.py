@@ -126,7 +126,10 @@ def _place_locked(
     tiers.place_file(spool, path)
     placed.append(path)
     eviction.evict_many(
-        plan.evict, "evicted for room (least recently used, unleased, within quotas)", now
+        plan.evict,
+        "evicted for room (least recently used, unleased, within quotas)",
+        now,
+        cause=eviction.room_cause(ids[1]),
     )
     block = _stored_block(name, ids, fields, tier, now, pending_move_id)
     block.save(force_insert=True)

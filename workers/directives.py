@@ -31,7 +31,7 @@ from common.tasks import RETRYABLE, instance_queue
 from kvsp.problems import ProtocolError
 from kvsp.records import PrefetchDirective
 from kvsp.states import DIRECTIVE_STATES, DirectiveEvent
-from workers import loader, notices, selectors
+from workers import loader, metrics, notices, selectors
 from workers.instance import lock_node
 from workers.models import Directive, DirectiveState, Node, NodeState
 from workers.tiers import DeviceTier
@@ -98,6 +98,9 @@ class DirectiveRun:
         remaining_s = (row.deadline_at - timezone.now()).total_seconds()
         self.deadline = time.monotonic() + remaining_s
         self.loaded: set[str] = set()
+        # Blocks this run loaded from peers (held ones were there already), by the tier at the
+        # source that served each.
+        self.fetched: dict[str, int] = {}
         self.failure: loader.Failure | None = None
         self.deadline_hit = False
 
@@ -128,6 +131,7 @@ class DirectiveRun:
                 on_batch=self._progress,
             ).run()
             self.failure, self.deadline_hit = run.failure, run.deadline_hit
+            self.fetched = dict(run.loaded_tiers)
         if missing and time.monotonic() >= self.deadline and not self._all_loaded():
             self.deadline_hit = True
         if self._all_loaded():
@@ -149,6 +153,23 @@ class DirectiveRun:
         Directive.objects.filter(pk=self.row.pk).update(loaded=self._loaded_in_order())
         notices.notify()
 
+    def _not_loaded(self) -> dict[str, int]:
+        """The blocks that did not load, by ``kvsp.reasons.DIRECTIVE_BLOCK_FAILURES``: the
+        failed block by its last source's refusal, the others by the deadline when it passed,
+        else as past the failure (keys are chained: they were not asked for)."""
+        left = len(self.directive.blocks) - len(self._loaded_in_order())
+        found: dict[str, int] = {}
+        if left and self.failure is not None:
+            found[self.failure.why] = 1
+            left -= 1
+        if left:
+            if self.deadline_hit:
+                found["deadline"] = found.get("deadline", 0) + left
+            else:
+                # Past the failure; without one, the instance refused the whole directive.
+                found["past_failure" if self.failure is not None else "other"] = left
+        return found
+
     def _all_loaded(self) -> bool:
         return all(key in self.loaded for key in self.directive.block_keys)
 
@@ -166,6 +187,7 @@ class DirectiveRun:
             row.finished_at = timezone.now()
             row.save(update_fields=["state", "loaded", "reason", "finished_at"])
         notices.notify()
+        metrics.count_directive_blocks(self.name, self.fetched, self._not_loaded())
         log.info(
             "directive %s: %s, %d of %d blocks (%s)",
             row.directive,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Generic, NamedTuple, TypeVar
@@ -36,7 +36,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
-from workers import control_plane, selectors, tiers
+from workers import control_plane, metrics, selectors, tiers
 from workers.instance import lock_node
 from workers.models import StoredBlock
 from workers.replicas import publish_on_commit, withdraw_many
@@ -56,18 +56,33 @@ def _protected_block_ids(name: str, now: datetime) -> set[int]:
 
 
 def _evict(block: StoredBlock, reason: str, now: datetime) -> None:
-    evict_many([block], reason, now)
+    evict_many([block], reason, now, cause="fault")
 
 
-def evict_many(blocks: list[StoredBlock], reason: str, now: datetime) -> None:
+def room_cause(storing_scope: bytes) -> Callable[[StoredBlock], str]:
+    """The cause (``kvsp.reasons.EVICTION_CAUSES``) of evicting a block to make room for one
+    of ``storing_scope``: its own scope's blocks go for capacity, another's for its quota."""
+    return lambda block: "capacity" if bytes(block.scope_id) == storing_scope else "scope_quota"
+
+
+def evict_many(
+    blocks: list[StoredBlock],
+    reason: str,
+    now: datetime,
+    *,
+    cause: str | Callable[[StoredBlock], str],
+) -> None:
     """Withdraw, then forget blocks of one node; their files go once the deletion is
-    committed, so a reader never finds a committed row without its file."""
+    committed, so a reader never finds a committed row without its file. ``cause`` (of
+    ``kvsp.reasons.EVICTION_CAUSES``, or a function of the block) is counted then too."""
     if not blocks:
         return
     for block in blocks:
         log.info("evicting %s: %s", block, reason)
-    withdraw_many(blocks[0].instance, [block.ids for block in blocks], reason, now)
+    instance = blocks[0].instance
+    withdraw_many(instance, [block.ids for block in blocks], reason, now)
     paths = [tiers.stored_path(block) for block in blocks]
+    causes = [(cause if isinstance(cause, str) else cause(block), block.size) for block in blocks]
     StoredBlock.objects.filter(pk__in=[block.pk for block in blocks]).delete()
 
     def unlink() -> None:
@@ -75,6 +90,7 @@ def evict_many(blocks: list[StoredBlock], reason: str, now: datetime) -> None:
             tiers.unlink_quietly(path)
 
     transaction.on_commit(unlink, robust=True)
+    transaction.on_commit(lambda: metrics.count_evictions(instance, causes), robust=True)
 
 
 def demote(block: StoredBlock) -> None:
@@ -84,6 +100,10 @@ def demote(block: StoredBlock) -> None:
     block.tier = tiers.DISK
     block.save(update_fields=["tier"])
     transaction.on_commit(lambda: tiers.unlink_quietly(source), robust=True)
+    instance, size = block.instance, block.size
+    transaction.on_commit(
+        lambda: metrics.count_tier_move(instance, tiers.HOST, tiers.DISK, size), robust=True
+    )
     publish_on_commit(block)
 
 

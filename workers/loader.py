@@ -48,6 +48,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ from django.conf import settings
 from django.db import connections
 
 from common.peers import BlockConnections, PeerUnreachable, peer_client
+from kvsp import reasons
 from kvsp.problems import ProtocolError
 from kvsp.records import LeaseRequest, ReplicaRecord
 from workers import admission, control_plane, fetch, replicas, tiers
@@ -88,13 +90,15 @@ class Wanted:
 
 @dataclass
 class Failure:
-    """Why a block could not be loaded: (source, reason) for every source tried. ``transient``
-    when a source failed it for a reason that may pass (out of reach, 5xx)."""
+    """Why a block could not be loaded: (source, reason) for every source tried; ``transient``
+    when a source failed it for a reason that may pass (out of reach, 5xx); ``why``, the reason
+    at the last of them as one of ``kvsp.reasons.DIRECTIVE_BLOCK_FAILURES``."""
 
     index: int
     block_key: str
     reasons: list[tuple[str, str]] = field(default_factory=list)
     transient: bool = False
+    why: str = "other"
 
     def detail(self) -> str:
         tried = "; ".join(f"{source}: {reason}" for source, reason in self.reasons)
@@ -102,12 +106,30 @@ class Failure:
 
 
 class _Refused(Exception):
-    """One source could not serve one block (the next source is tried); ``transient`` when
-    the reason may pass (the source, or the control plane, out of reach or answering 5xx)."""
+    """One source could not serve one block (the next source is tried); ``why`` is one of
+    ``kvsp.reasons.DIRECTIVE_BLOCK_FAILURES``, and ``transient`` says whether the reason may pass
+    (the source, or the control plane, out of reach or answering 5xx)."""
 
-    def __init__(self, reason: str, *, transient: bool = False):
-        super().__init__(reason)
+    def __init__(self, detail: str, why: str = "other", *, transient: bool = False):
+        super().__init__(detail)
+        self.why = why
         self.transient = transient
+
+
+def refusal_reason(exc: ProtocolError | PeerUnreachable, *, leasing: bool = False) -> str:
+    """What a source's refusal of a block was, as ``kvsp.reasons.DIRECTIVE_BLOCK_FAILURES``
+    names it; ``leasing`` when it refused the lease."""
+    if isinstance(exc, PeerUnreachable) or exc.problem == "kvsp-upstream-error":
+        return "holder_unreachable"
+    if exc.problem == "kvsp-not-found":
+        return "not_found"
+    if exc.problem == "kvsp-lease-quota":
+        return "over_quota"
+    if leasing:
+        return "lease_refused"
+    if exc.problem in ("kvsp-digest-mismatch", "kvsp-invalid-container"):
+        return "digest_mismatch"
+    return "other"
 
 
 @dataclass
@@ -163,6 +185,8 @@ class Loader:
     """One run of loading blocks into this node. ``check`` may refuse a verified block
     (raising ProtocolError) before it is kept; ``on_batch`` is told the keys of every batch
     admitted; ``pending_move_id`` admits the blocks pending for that reshard move, unpublished.
+    ``loaded_tiers`` counts the blocks admitted by the fastest tier they were in at the source
+    that served them (``kvsp.reasons.TIERS``).
     """
 
     def __init__(
@@ -207,6 +231,9 @@ class Loader:
         self._running = 0  # fetchers that have not said _DONE yet
         self._connections: BlockConnections | None = None
         self._unbatched: set[str] = set()  # sources that answer no batch of blocks
+        # The fastest tier of each fetched block at the source that served it, for ``tiers``.
+        self._source_tier: dict[str, str] = {}
+        self.loaded_tiers: Counter[str] = Counter()
         self._publisher = _Publisher(f"{label}-publish")
 
     # -- driving ---------------------------------------------------------------------------
@@ -336,6 +363,7 @@ class Loader:
                             arrival.wanted.index,
                             arrival.wanted.block_key,
                             [("this instance", exc.detail)],
+                            "no_room",
                         )
                     )
                     return
@@ -349,6 +377,7 @@ class Loader:
             keys = [arrival.wanted.block_key for arrival in batch]
             with self._lock:
                 self.loaded.update(keys)
+                self.loaded_tiers.update(self._source_tier.get(key, "other") for key in keys)
             if self.on_batch is not None:
                 self.on_batch(keys)
             if self.pending_move_id is None:
@@ -510,6 +539,7 @@ class Loader:
                 item.block_key,
                 [(source, str(refused)) for source, refused in refusals],
                 transient=any(refused.transient for _, refused in refusals),
+                why=refusals[-1][1].why if refusals else "other",
             )
         )
 
@@ -594,7 +624,7 @@ class Loader:
             raise fetch.DeadlineExpired("the deadline passed")
         record = self._record_at(block_key, source)
         if record is None:
-            raise _Refused("the Index Service lists no replica there")
+            raise _Refused("the Index Service lists no replica there", "not_found")
         ahead = self._lease_at(client, source)
         token = self._token(source)
         lease = None
@@ -606,9 +636,12 @@ class Loader:
                     block_keys=(block_key,),
                     ttl_ms=self.lease_ms,
                 )
-                lease = fetch.take_lease(
-                    client, source, request, token=token, deadline=self.deadline
-                )
+                try:
+                    lease = fetch.take_lease(
+                        client, source, request, token=token, deadline=self.deadline
+                    )
+                except (ProtocolError, PeerUnreachable) as exc:
+                    raise self._refused(block_key, source, exc, leasing=True) from exc
             fetched = fetch.fetch_block(
                 self._connections,
                 source,
@@ -625,16 +658,22 @@ class Loader:
         return self._keep(block_key, source, fetched)
 
     def _refused(
-        self, block_key: str, source: str, exc: ProtocolError | PeerUnreachable
+        self,
+        block_key: str,
+        source: str,
+        exc: ProtocolError | PeerUnreachable,
+        *,
+        leasing: bool = False,
     ) -> _Refused:
-        """Why ``source`` did not give ``block_key``, logged; a token it refused is not
-        presented again."""
+        """Why ``source`` did not give ``block_key`` (``leasing``: it refused the lease),
+        logged; a token it refused is not presented again."""
         log.warning("%s: block %s from %s refused: %s", self.label, block_key, source, exc)
+        why = refusal_reason(exc, leasing=leasing)
         if isinstance(exc, PeerUnreachable):
-            return _Refused(str(exc), transient=True)
+            return _Refused(str(exc), why, transient=True)
         if exc.problem == "kvsp-unauthenticated":
             control_plane.forget_delegated_token(self.scope_id, source)
-        return _Refused(exc.detail)
+        return _Refused(exc.detail, why)
 
     def _keep(self, block_key: str, source: str, fetched: fetch.FetchedBlock):
         """A verified block, checked (``check``), its device copy prepared and its octets
@@ -658,4 +697,9 @@ class Loader:
         )
         spool = tiers.write_spool(self.instance, [fetched.buffer])
         self.links.add(source, fetched.transfer)
+        record = self._expected.get(block_key, {}).get(source)
+        if record is not None:
+            served_from = reasons.fastest(entry.tier for entry in record.residency)
+            with self._lock:
+                self._source_tier[block_key] = served_from
         return admission.LoadedBlock(ids, spool, fields, install)

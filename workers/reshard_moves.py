@@ -331,7 +331,7 @@ def do_release_owed(name: str, move_id: int | None = None) -> int:
                     continue
                 leaving.append(block)
             reason = f"released by the move of {move.map} to version {move.to_version}"
-            evict_many(leaving, reason, now)
+            evict_many(leaving, reason, now, cause="reshard_release")
             move.released_blocks += len(leaving)
             released += len(leaving)
             move.owed_release = owed

@@ -90,7 +90,9 @@ def test_the_instance_page_shows_its_figures_directives_sessions_and_replicas(ad
     assert "Its replicas, to withdraw some" in html
     answer = admin_client.get("/live/instances/ii1").json()
     assert set(answer["html"]) == {section.name for section in sections.INSTANCE}
-    assert {"load", "kv_utilization", "rates", "prefetch_latency"} == set(answer["series"])
+    charts = {"load", "kv_utilization", "rates", "prefetch_latency"}
+    charts |= {"why_misses", "cache_tokens", "evictions"}
+    assert charts == set(answer["series"])
     rates = {line["name"]: line["points"] for line in answer["series"]["rates"]["lines"]}
     assert rates["prefill"][0][1] == 10_000 and rates["decode"][0][1] == 1_000
 
@@ -184,3 +186,54 @@ def test_a_chart_spans_from_its_first_point_but_no_more_than_an_hour():
     assert window(1) == 5
     assert window(20, 1) == 20
     assert window(90, 30) == 60
+
+
+def test_the_overview_charts_why_misses_where_tokens_come_from_and_evictions(admin_client, scene):
+    from common.metrics import tally
+    from workers import metrics as node_metrics
+
+    # What ii1's node counted (its worker and server: tests/node drive them for real).
+    node_metrics.count_directive_blocks(
+        "ii1", {"disk": 2}, {"digest_mismatch": 1, "past_failure": 3}
+    )
+    node_metrics.count_evictions("ii1", [("capacity", 4096), ("scope_quota", 4096)])
+    node_metrics.count_evictions("ii2", [("fault", 4096)])
+    tally.write()
+
+    answer = admin_client.get("/live/").json()
+    series = answer["series"]
+
+    def lines(chart: str) -> dict:
+        return {line["name"]: [p[1] for p in line["points"]] for line in series[chart]["lines"]}
+
+    # The scene's lookup stopped after three of four keys; so did its placement's lookup.
+    assert lines("why_misses") == {
+        "lookup stop: no_replica": [2],
+        "block not loaded: digest_mismatch": [1],
+        "block not loaded: past_failure": [3],
+    }
+    tokens = lines("cache_tokens")
+    assert set(tokens) <= {"from cache (own tiers)", "from cache (peers)", "recomputed"}
+    assert sum(sum(points) for points in tokens.values()) == len(scene.cluster.tokens)
+    assert series["tier_hits"]["unit"] == "ratio"
+    # Two lookups of four Block Keys, each matching one block on each of device, host and disk.
+    assert lines("tier_hits") == {"device": [0.25], "host": [0.25], "disk": [0.25]}
+    assert lines("evictions") == {"ii1: capacity": [1], "ii1: scope_quota": [1], "ii2: fault": [1]}
+    assert "digest_mismatch" in answer["html"]["cache"]
+
+    # An instance's page shows its own blocks and evictions, nobody else's.
+    own = admin_client.get("/live/instances/ii1").json()["series"]
+    assert {line["name"] for line in own["why_misses"]["lines"]} == {
+        "block not loaded: digest_mismatch",
+        "block not loaded: past_failure",
+    }
+    assert {line["name"] for line in own["evictions"]["lines"]} == {"capacity", "scope_quota"}
+    other = admin_client.get("/live/instances/ii2").json()["series"]
+    assert other["why_misses"]["lines"] == []
+    assert {line["name"] for line in other["evictions"]["lines"]} == {"fault"}
+    # The scene's placement is on the page of the instance it chose, and only there.
+    placed = {
+        name: sum(sum(p[1] for p in line["points"]) for line in figures["cache_tokens"]["lines"])
+        for name, figures in (("ii1", own), ("ii2", other))
+    }
+    assert sorted(placed.values()) == [0, len(scene.cluster.tokens)]

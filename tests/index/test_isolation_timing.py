@@ -2,8 +2,9 @@
 
 Two-sample Kolmogorov-Smirnov over a few hundred interleaved lookups of each kind (interleaving
 cancels drift on a shared machine; each pair in a random order, so that anything periodic in the
-server, such as a garbage collection every few requests, lands on either kind alike). The bar is alpha = 0.001, and a rejection must repeat in a
-second, fresh round before the test fails, so chance alone fails it once in a million runs.
+server, such as a garbage collection every few requests, lands on either kind alike). The bar is
+alpha = 0.001, and a rejection must repeat in a second, fresh round before the test fails, so
+chance alone fails it once in a million runs.
 """
 
 import random

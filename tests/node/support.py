@@ -88,6 +88,21 @@ class Api:
         return self.get(f"blocks/{compat}/{scope}/{key}", params=params)
 
 
+def counted(node, name: str, by: str) -> dict[str, float]:
+    """A counter of the node's ``/metrics`` by the value of its label ``by``: the node's own
+    series (its label ``instance`` is the node)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(node.url.removesuffix("kvsp/") + "metrics", timeout=10).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_total":
+                assert sample.labels["instance"] == node.name
+                found[sample.labels[by]] = sample.value
+    return found
+
+
 def problem(response: httpx.Response) -> str:
     assert response.headers["content-type"] == "application/problem+json", response.text
     document = response.json()

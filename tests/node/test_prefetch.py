@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvsp.problems import problem_document
-from tests.node.support import container, problem, random_key, sha256
+from tests.node.support import container, counted, problem, random_key, sha256
 from tests.node.test_resharding import blocks_sent
 from tests.support.waiting import wait_until
 
@@ -246,6 +246,46 @@ def test_a_source_refusing_with_problem_details_fails_the_directive_at_once(clus
     assert state["state"] == "failed" and state["loaded"] == []
     assert "not for this principal" in state["reason"]
     assert standin.holder.gets.count(key) == 1
+
+
+def test_the_node_counts_the_blocks_its_worker_did_not_load_by_why(cluster, standin):
+    """Directives run in the node's Celery worker; its counts show in the node's /metrics."""
+    n1, n2, n3 = cluster.node("n1"), cluster.node("n2"), cluster.node("n3")
+    before = counted(n2, "kvsp_directive_block_failures", "reason")
+
+    def added() -> dict:
+        now = counted(n2, "kvsp_directive_block_failures", "reason")
+        return {why: n - before.get(why, 0) for why, n in now.items() if n != before.get(why, 0)}
+
+    # A block nobody holds, then two that come after it: a miss, and what follows it.
+    [(key, _)] = put_chain(cluster, n1, 1, 545)
+    nobody = random_key()
+    blocks = [(nobody, [n3.url, n1.url]), (key, [n1.url]), (random_key(), [n1.url])]
+    state = run_directive(cluster, n2, directive_body(cluster, blocks))
+    assert state["state"] == "failed" and nobody not in state["loaded"]
+    # The fetchers work ahead: what was not loaded after the failure was never asked for.
+    expected = {"not_found": 1, "past_failure": 2 - len(state["loaded"])}
+    expected = {why: n for why, n in expected.items() if n}
+    wait_until(lambda: added() == expected, "the failures counted")
+
+    # Octets that fail their digests at the only source.
+    bad, data = random_key(), container(546)
+    standin.add(bad, data)
+    standin.holder.served[bad] = container(547)
+    body = directive_body(cluster, [(bad, [standin.holder.url])])
+    assert run_directive(cluster, n2, body)["state"] == "failed"
+    expected["digest_mismatch"] = 1
+    wait_until(lambda: added() == expected, "the digest mismatch counted")
+
+    # A block loaded counts by the tier it was in at the source that served it: n1's host.
+    loaded = counted(n2, "kvsp_directive_loaded_blocks", "tier").get("host", 0)
+    [(fresh, _)] = put_chain(cluster, n1, 1, 548)
+    body = directive_body(cluster, [(fresh, [n1.url])])
+    assert run_directive(cluster, n2, body)["state"] == "complete"
+    wait_until(
+        lambda: counted(n2, "kvsp_directive_loaded_blocks", "tier").get("host") == loaded + 1,
+        "the loaded block counted",
+    )
 
 
 def test_a_failed_block_stops_the_prefix_where_it_is(cluster):

@@ -25,7 +25,8 @@ from django.utils import timezone
 
 from kvsp.problems import ProtocolError
 from tests.node.conftest import BLOCK_OCTETS, Node, extra_node, start_all
-from tests.node.support import container, problem, random_key
+from tests.node.support import container, counted, problem, random_key
+from tests.support.waiting import wait_until
 from workers import eviction, tiers
 from workers.models import StoredBlock
 
@@ -153,6 +154,19 @@ def test_a_newcomer_reclaims_its_share_and_then_evicts_only_its_own(
     for key in b_keys[2:]:
         assert published_at(cluster, q1, b, key)
     assert [tier_of(q1, key) for key in b_keys[2:]] == [tiers.DISK, tiers.HOST, tiers.HOST]
+
+
+def test_the_node_counts_its_evictions_by_cause_and_the_octets_it_moved(quota_nodes):
+    """So far on q1: A evicted two of its own for room, B three of A's (over its share) and
+    then two of its own; what moved from host to disk went in whole blocks."""
+    q1 = quota_nodes["q1"]
+    expected = {"capacity": 4, "scope_quota": 3}
+    # The server writes its counts after a response, at most once a second: each scrape is one.
+    wait_until(lambda: counted(q1, "kvsp_evictions", "cause") == expected, "the evictions counted")
+    octets = counted(q1, "kvsp_evicted_octets", "cause")
+    assert octets == {cause: n * BLOCK_OCTETS for cause, n in expected.items()}
+    moved = counted(q1, "kvsp_tier_moved_octets", "to_tier")
+    assert set(moved) == {"disk"} and moved["disk"] % BLOCK_OCTETS == 0 and moved["disk"] > 0
 
 
 def test_a_store_blocked_by_another_scope_at_its_quota_is_refused_and_changes_nothing(

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.node.support import container, problem, random_key
+from tests.node.support import container, counted, problem, random_key
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -111,10 +111,16 @@ def test_a_lost_copy_is_withdrawn_even_under_a_lease(cluster, n3_blocks):
     lease_id = n3_blocks["lease"]
     [path] = [p for p in n3.disk_files() if b1 in p.name]
     path.unlink()  # the disk lost it
+    faults = counted(n3, "kvsp_evictions", "cause").get("fault", 0)
 
     missing = api.get_block(cluster.compat, cluster.scope_a, b1)
     assert missing.status_code == 404 and problem(missing) == "kvsp-not-found"
     assert residency_at(cluster, n3, b1) is None
+    # Counted as a fault; a server writes its counts after a response, at most once a second.
+    wait_until(
+        lambda: counted(n3, "kvsp_evictions", "cause").get("fault") == faults + 1,
+        "the fault counted",
+    )
     from workers.models import Lease
 
     lease = Lease.objects.get(lease=lease_id)
