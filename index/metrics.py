@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import collections
+import functools
 from datetime import datetime
 
 import numpy as np

@@ -4,8 +4,8 @@ counters, ``common.metrics``); and the leases every holder records."""
 
 from __future__ import annotations
 
-import functools
 import collections
+import functools
 
 from django.conf import settings
 from prometheus_client import Counter
