@@ -113,14 +113,20 @@ def test_the_measured_link_is_the_link_not_the_pipeline(cluster, standin):
     assert 0.6 * 4.0 <= link.mbit_per_s <= 1.3 * 4.0
 
 
+def stored_and_wrong_at_the_standin(cluster, standin, node, seed: int) -> tuple[str, bytes]:
+    """A block stored on ``node`` that the stand-in holds too but sends as other layers, under
+    a Repr-Digest that matches what it sends: only the layer digests of its record give it
+    away."""
+    key, data = random_key(), container(seed)
+    standin.add(key, data)
+    standin.holder.served[key] = container(seed + 1)
+    store(cluster, node, key, data)
+    return key, data
+
+
 def test_wrong_octets_at_a_source_are_refused_and_the_next_source_used(cluster, standin):
     n1, n2 = cluster.node("n1"), cluster.node("n2")
-    key, data = random_key(), container(510)
-    standin.add(key, data)
-    # The stand-in sends other layers, under a Repr-Digest that matches what it sends: only
-    # the layer digests of its record give it away.
-    standin.holder.served[key] = container(511)
-    store(cluster, n1, key, data)
+    key, data = stored_and_wrong_at_the_standin(cluster, standin, n1, 510)
 
     state = run_directive(
         cluster, n2, directive_body(cluster, [(key, [standin.holder.url, n1.url])])
@@ -134,12 +140,9 @@ def test_wrong_octets_at_a_source_are_refused_and_the_next_source_used(cluster, 
 
 def test_only_wrong_sources_fail_the_directive_and_nothing_is_stored(cluster, standin):
     n1, n2 = cluster.node("n1"), cluster.node("n2")
-    key, data = random_key(), container(520)
-    standin.add(key, data)
-    standin.holder.served[key] = container(521)
+    key, data = stored_and_wrong_at_the_standin(cluster, standin, n1, 520)
     # n1's copy is damaged after it was stored: it sends the damaged octets under the
     # Repr-Digest of the original.
-    store(cluster, n1, key, data)
     [path] = [p for p in n1.host_files() if key in p.name]
     damaged = bytearray(path.read_bytes())
     damaged[-1] ^= 0xFF
