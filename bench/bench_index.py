@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import re
 import shutil
 import statistics
@@ -37,7 +36,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.support import PG, fresh_database  # noqa: E402
+from bench.support import PG, control_env, fresh_database  # noqa: E402
 from tests.support.processes import Server, run_manage  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
@@ -207,9 +206,7 @@ def main():
     parser.add_argument("--batch", type=int, default=1024, help="records per batch publication")
     args = parser.parse_args()
     wrk_bin = ensure_wrk()
-    env = dict(os.environ)
-    env.update(DATABASE_URL=f"{PG}/{DB}", KVSP_ROLE="control", KVSP_MAX_LOOKUP_KEYS="65536")
-    env.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
+    env = control_env(DB, KVSP_MAX_LOOKUP_KEYS="65536")
     print(f"index benchmark: {args.rows} rows, {LAYERS} layer digests each")
     fresh_migrated_database(env)
     scope_hex, token, holder = setup_principals(env)

@@ -18,7 +18,6 @@ Needs Postgres on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.support import PG, fresh_database, migrated_in_process  # noqa: E402
+from bench.support import control_in_process, migrated_in_process  # noqa: E402
 
 DB = "kvsp_bench_metrics"
 LIMIT_MS = 100.0
@@ -97,13 +96,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=50)
     arguments = parser.parse_args()
-    os.environ.update(
-        DJANGO_SETTINGS_MODULE="kvspsite.settings",
-        DATABASE_URL=f"{PG}/{DB}",
-        KVSP_ROLE="control",
-        KVSP_LOG_LEVEL="ERROR",
-    )
-    fresh_database(DB)
+    control_in_process(DB)
     migrated_in_process()
     from django.test import Client
 

@@ -26,16 +26,15 @@ import time
 from pathlib import Path
 
 import orjson
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_index import ensure_wrk, percentile, wrk  # noqa: E402
+from bench.support import control_env, fresh_database  # noqa: E402
 from tests.support.descriptors import descriptor  # noqa: E402
 from tests.support.processes import Server, run_manage  # noqa: E402
 
-PG = "postgres://postgres@127.0.0.1:5432"
 DB = "kvsp_bench_placement"
 HOLDERS = [f"http://holder-{h}.test/kvsp/" for h in range(4)]
 BLOCK_TOKENS = 16
@@ -157,12 +156,8 @@ def main():
     parser.add_argument("--seconds", type=int, default=10)
     args = parser.parse_args()
     wrk_bin = ensure_wrk()
-    env = dict(os.environ)
-    env.update(DATABASE_URL=f"{PG}/{DB}", KVSP_ROLE="control")
-    env.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB}")
+    env = control_env(DB)
+    fresh_database(DB)
     migrated = run_manage("migrate", "--no-input", env=env)
     if migrated.returncode:
         sys.exit(migrated.stderr)

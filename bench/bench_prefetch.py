@@ -54,7 +54,7 @@ from bench.support import (  # noqa: E402
 from kvsp.compat import compat_id_hex  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
-from tests.support.processes import Server, Worker  # noqa: E402
+from tests.support.processes import Server  # noqa: E402
 
 DB = "kvsp_bench_prefetch"
 TARGET_RATIO = 0.5
@@ -70,32 +70,13 @@ def main() -> None:
     options = parser.parse_args()
 
     cluster = BenchCluster("prefetch", DB, ("n1", "n2"))
-    work, names = cluster.work, cluster.names
+    work = cluster.work
     parallel = {"KVSP_PREFETCH_PARALLEL": str(options.parallel)}
     processes = [
         Server("bench-cp", cluster.control_env, work, workers=2, port=cluster.cp_port),
-        Server(
-            "bench-n1",
-            cluster.node_env("n1", **parallel),
-            work,
-            workers=2,
-            port=cluster.ports["n1"],
-        ),
-        Server(
-            "bench-n2",
-            cluster.node_env("n2", **parallel),
-            work,
-            workers=2,
-            port=cluster.ports["n2"],
-        ),
-        Worker(
-            "bench-n2-worker",
-            cluster.node_env("n2", **parallel),
-            work,
-            queues=[f"ii.{names['n2']}"],
-            pool="threads",
-            concurrency=4,
-        ),
+        cluster.node_server("n1", **parallel),
+        cluster.node_server("n2", **parallel),
+        cluster.node_worker("n2", **parallel),
     ]
     meter = CpuMeter(processes)
     cluster.run(processes, lambda started: run(options, started, meter))

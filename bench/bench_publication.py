@@ -17,7 +17,6 @@ Needs Postgres on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_index import COMPAT, replica_records  # noqa: E402
-from bench.support import PG, fresh_database, migrated_in_process  # noqa: E402
+from bench.support import control_in_process, migrated_in_process  # noqa: E402
 
 DB = "kvsp_bench_publication"
 HOLDER = "http://holder-0.test/kvsp/"
@@ -40,13 +39,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--batch", type=int, default=1024)
     args = parser.parse_args()
-    os.environ.update(
-        DJANGO_SETTINGS_MODULE="kvspsite.settings",
-        DATABASE_URL=f"{PG}/{DB}",
-        KVSP_ROLE="control",
-        KVSP_LOG_LEVEL="ERROR",
-    )
-    fresh_database(DB)
+    control_in_process(DB)
     run(args.singles, args.batches, args.batch)
 
 

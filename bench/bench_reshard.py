@@ -106,20 +106,7 @@ def main() -> None:
         Worker("bench-cp-worker", cluster.control_env, work, queues=["control"]),
     ]
     for member in MEMBERS:
-        env = cluster.node_env(member)
-        processes.append(
-            Server(f"bench-{member}", env, work, workers=2, port=cluster.ports[member])
-        )
-        processes.append(
-            Worker(
-                f"bench-{member}-worker",
-                env,
-                work,
-                queues=[f"ii.{cluster.names[member]}"],
-                pool="threads",
-                concurrency=4,
-            )
-        )
+        processes += [cluster.node_server(member), cluster.node_worker(member)]
     cluster.run(processes, lambda started: run(options, started))
 
 

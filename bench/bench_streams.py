@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_index import ensure_wrk, percentile, replica_records, wrk  # noqa: E402
 from bench.bench_index import write_wrk_script as write_holder_script  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
-from bench.support import PG, fresh_database  # noqa: E402
+from bench.support import control_env, fresh_database  # noqa: E402
 from devtools.processes import BIN, Server, run_manage  # noqa: E402
 
 DB = "kvsp_bench_streams"
@@ -279,14 +279,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     wrk_bin = ensure_wrk()
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"{PG}/{DB}",
-        KVSP_ROLE="control",
-        KVSP_RATE_LIMIT_PER_S="0",
-        KVSP_LOG_LEVEL="WARNING",
-    )
-    env.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
+    env = control_env(DB, KVSP_RATE_LIMIT_PER_S="0", KVSP_LOG_LEVEL="WARNING")
     fresh_database(DB)
     migrated = run_manage("migrate", "--no-input", env=env)
     if migrated.returncode:

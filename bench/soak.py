@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_index import ensure_wrk, percentile  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
-from bench.support import PG, fresh_database  # noqa: E402
+from bench.support import control_env, fresh_database  # noqa: E402
 from devtools.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
 
 COMPAT = "ab" * 32
@@ -151,14 +150,12 @@ class Stream:
 
 
 def run(seconds: int, instances: int) -> dict:
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"{PG}/kvsp_soak",
-        KVSP_ROLE="control",
+    env = control_env(
+        "kvsp_soak",
+        "redis://127.0.0.1:6379/8",
         KVSP_RATE_LIMIT_PER_S="0",
         KVSP_FAILURE_CHECK_S="0.5",
     )
-    env.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/8")
     setup = prepare(env, instances)
     logs = Path(tempfile.mkdtemp(prefix="kvsp-soak-"))
     control = Server(

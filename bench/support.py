@@ -22,8 +22,9 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from devtools.processes import register_node  # noqa: E402
 from tests.support.descriptors import descriptor  # noqa: E402
-from tests.support.processes import Process, free_port, run_manage  # noqa: E402
+from tests.support.processes import Process, Server, Worker, free_port, run_manage  # noqa: E402
 
 PG = "postgres://postgres@127.0.0.1:5432"
 BLOCK_TOKENS = 16
@@ -73,6 +74,26 @@ def fresh_database(name: str) -> None:
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         conn.execute(f"CREATE DATABASE {name}")
+
+
+def control_env(database: str, broker: str = "redis://127.0.0.1:6379/0", **extra: str) -> dict:
+    """The environment of a control-plane process on ``database``: this process's, ``extra``
+    added, with ``broker`` unless a broker is set already."""
+    env = {**os.environ, "DATABASE_URL": f"{PG}/{database}", "KVSP_ROLE": "control", **extra}
+    env.setdefault("CELERY_BROKER_URL", broker)
+    return env
+
+
+def control_in_process(database: str) -> None:
+    """This process made the control plane on ``database``, created afresh; Django is set up
+    after (``migrated_in_process``)."""
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="kvspsite.settings",
+        DATABASE_URL=f"{PG}/{database}",
+        KVSP_ROLE="control",
+        KVSP_LOG_LEVEL="ERROR",
+    )
+    fresh_database(database)
 
 
 def migrated_in_process():
@@ -138,20 +159,9 @@ class BenchCluster:
         )["token"]
         self.tokens = {}
         for member, name in self.names.items():
-            url = self.urls[member]
-            manage_json(self.base, "kvsp_instance", "add", name, "--url", url)
-            self.tokens[member] = manage_json(
-                self.base,
-                "kvsp_principal",
-                "create",
-                f"node-{name}",
-                "--scope",
-                self.scope,
-                "--instance",
-                name,
-                "--holder",
-                url,
-            )["token"]
+            self.tokens[member] = register_node(
+                lambda *argv: manage_json(self.base, *argv), name, self.urls[member], self.scope
+            )
 
     @property
     def control_env(self) -> dict:
@@ -169,6 +179,23 @@ class BenchCluster:
             "KVSP_DISK_DIR": str(self.work / "disk"),
             **extra,
         }
+
+    def node_server(self, member: str, **extra: str) -> Server:
+        """The HTTP server of node ``member`` (not started), ``extra`` added to its
+        environment."""
+        env = self.node_env(member, **extra)
+        return Server(f"bench-{member}", env, self.work, workers=2, port=self.ports[member])
+
+    def node_worker(self, member: str, **extra: str) -> Worker:
+        """The worker of node ``member`` (not started), ``extra`` added to its environment."""
+        return Worker(
+            f"bench-{member}-worker",
+            self.node_env(member, **extra),
+            self.work,
+            queues=[f"ii.{self.names[member]}"],
+            pool="threads",
+            concurrency=4,
+        )
 
     def run(self, processes: list, work) -> None:
         """Start ``processes``, call ``work(self)``, and stop them and remove the files

@@ -535,7 +535,16 @@ def _summary_data(page: Page) -> dict:
     }
 
 
-_DIRECTIVES = "dashboard/sections/directives.html"
+def _directives_section(title: str) -> Section:
+    return Section(
+        "directives",
+        title,
+        "dashboard/sections/directives.html",
+        _directives_data,
+        (Chart("prefetch_latency", "Prefetch latency per minute", "ms", _prefetch_latency_lines),),
+    )
+
+
 _SESSIONS = "dashboard/sections/sessions.html"
 _LEASES = "dashboard/sections/leases.html"
 
@@ -588,13 +597,7 @@ OVERVIEW = (
             Chart("evictions", "Evictions by cause per holder", "blocks", _eviction_lines),
         ),
     ),
-    Section(
-        "directives",
-        "Prefetch directives",
-        _DIRECTIVES,
-        _directives_data,
-        (Chart("prefetch_latency", "Prefetch latency per minute", "ms", _prefetch_latency_lines),),
-    ),
+    _directives_section("Prefetch directives"),
     Section("leases", "Leases", _LEASES, _leases_data),
     Section("sessions", "Sessions", _SESSIONS, _sessions_data),
     Section(
@@ -614,13 +617,7 @@ INSTANCE = (
             Chart("rates", "Prefill and decode rates", "tokens/s", _instance_rate_lines),
         ),
     ),
-    Section(
-        "directives",
-        "Prefetch directives sent to it",
-        _DIRECTIVES,
-        _directives_data,
-        (Chart("prefetch_latency", "Prefetch latency per minute", "ms", _prefetch_latency_lines),),
-    ),
+    _directives_section("Prefetch directives sent to it"),
     Section("sessions", "Sessions it serves or served", _SESSIONS, _sessions_data),
     Section(
         "replicas",

@@ -117,6 +117,12 @@ def _back(request, default: str):
     return redirect(default)
 
 
+def _refused(request, default: str, message: str):
+    """Back where an action came from, with why it was not done."""
+    messages.error(request, message)
+    return _back(request, default)
+
+
 # --- Overview ---------------------------------------------------------------------------------
 
 
@@ -183,14 +189,12 @@ def change_state(request, name: str):
     """Drain, sleep or wake an instance (6.3), as ``PUT instances/{name}/state`` does."""
     default = reverse("dashboard:instance", args=[name])
     if not request.user.has_perm("placement.change_instance"):
-        messages.error(request, "You may not change the state of instances.")
-        return _back(request, default)
+        return _refused(request, default, "You may not change the state of instances.")
     requested = request.POST.get("state", "")
     try:
         changed = placement.services.do_change_state(name, requested)
     except ProtocolError as error:
-        messages.error(request, f"{name}: {error.detail}")
-        return _back(request, default)
+        return _refused(request, default, f"{name}: {error.detail}")
     if requested == InstanceState.SLEEPING and changed.state == InstanceState.DRAINING:
         messages.success(request, f"{name} is draining; it sleeps once its sessions are done.")
     else:
@@ -312,16 +316,13 @@ def withdraw_replicas(request, holder_id: int):
     """Withdraw replicas of one holder (6.1), as the admin's withdraw action does."""
     default = reverse("dashboard:holder", args=[holder_id])
     if not request.user.has_perm("index.delete_replica"):
-        messages.error(request, "You may not withdraw replicas.")
-        return _back(request, default)
+        return _refused(request, default, "You may not withdraw replicas.")
     try:
         chosen = [parse_decimal(value, "replica") for value in request.POST.getlist("replica")]
     except ProtocolError:
-        messages.error(request, "The replicas to withdraw were not given as ids.")
-        return _back(request, default)
+        return _refused(request, default, "The replicas to withdraw were not given as ids.")
     if not chosen:
-        messages.error(request, "Choose the replicas to withdraw first.")
-        return _back(request, default)
+        return _refused(request, default, "Choose the replicas to withdraw first.")
     withdrawn = index.services.do_withdraw_replicas(
         index.selectors.replica_ids_at(holder_id, chosen)
     )
@@ -338,17 +339,14 @@ def abort_reshard(request, operation_id: int):
     """Abort a reshard still preparing (6.9); the members are told by the PC's driver."""
     default = reverse("dashboard:overview") + "#shardmaps"
     if not request.user.has_perm("placement.change_reshardoperation"):
-        messages.error(request, "You may not abort reshards.")
-        return _back(request, default)
+        return _refused(request, default, "You may not abort reshards.")
     operation = placement.selectors.reshard_operation(operation_id)
     if operation is None:
-        messages.error(request, f"No reshard operation {operation_id} is known.")
-        return _back(request, default)
+        return _refused(request, default, f"No reshard operation {operation_id} is known.")
     name = f"{operation.shard_map.map} v{operation.from_version} → v{operation.to_version}"
     try:
         aborted = resharding.do_abort_reshard(operation_id)
     except ProtocolError as error:
-        messages.error(request, f"Reshard {name}: {error.detail}")
-        return _back(request, default)
+        return _refused(request, default, f"Reshard {name}: {error.detail}")
     messages.success(request, f"Reshard {name} is {aborted.phase}.")
     return _back(request, default)

@@ -38,6 +38,7 @@ from devtools.processes import (
     Server,
     Worker,
     free_port,
+    register_node,
     run_manage,
     stop_all,
 )
@@ -74,6 +75,22 @@ class NodeProcesses:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/kvsp/"
+
+    def new_processes(self, logs: Path, incarnation: str = "") -> tuple[Server, Worker]:
+        """Its HTTP server and its worker (not started); ``incarnation`` tells a restart's
+        processes and logs from the first ones."""
+        self.server = Server(
+            f"{self.name}-http{incarnation}", self.env, logs, workers=2, port=self.port
+        )
+        self.worker = Worker(
+            f"{self.name}-worker{incarnation}",
+            self.env,
+            logs,
+            queues=[f"ii.{self.name}"],
+            pool="threads",
+            concurrency=4,
+        )
+        return self.server, self.worker
 
 
 @dataclass
@@ -193,18 +210,7 @@ class LocalCluster:
         for name in [*names, f"holder-{self.run_id}"]:
             port = free_port()
             url = f"http://127.0.0.1:{port}/kvsp/"
-            self.manage("kvsp_instance", "add", name, "--url", url)
-            token = self.manage(
-                "kvsp_principal",
-                "create",
-                f"node-{name}",
-                "--scope",
-                self.scope,
-                "--instance",
-                name,
-                "--holder",
-                url,
-            )["token"]
+            token = register_node(self.manage, name, url, self.scope)
             node = NodeProcesses(name, port, {"KVSP_TOKEN": token}, engine=name in names)
             (self.nodes if node.engine else self.holders).append(node)
         peers = [node.url for node in [*self.nodes, *self.holders]]
@@ -253,18 +259,7 @@ class LocalCluster:
             Beat("beat", {**self.control_env, "KVSP_TOKEN": self.controller_token}, self.logs),
         ]
         for node in [*self.nodes, *self.holders]:
-            node.server = Server(
-                f"{node.name}-http", node.env, self.logs, workers=2, port=node.port
-            )
-            node.worker = Worker(
-                f"{node.name}-worker",
-                node.env,
-                self.logs,
-                queues=[f"ii.{node.name}"],
-                pool="threads",
-                concurrency=4,
-            )
-            planned += [node.server, node.worker]
+            planned += node.new_processes(self.logs)
         with self._progress() as progress:
             task = progress.add_task("starting processes", total=len(planned) + 1)
             for process in planned:
@@ -492,18 +487,8 @@ class LocalCluster:
             indices = [token["index"] for token in output["tokens"]]
             self.measured.failover_indices_once = indices == list(range(len(indices)))
             # Bring the node back, as a new incarnation, for the reshard.
-            victim.server = Server(
-                f"{victim.name}-http-2", victim.env, self.logs, workers=2, port=victim.port
-            ).start()
-            victim.worker = Worker(
-                f"{victim.name}-worker-2",
-                victim.env,
-                self.logs,
-                queues=[f"ii.{victim.name}"],
-                pool="threads",
-                concurrency=4,
-            ).start()
-            self.processes += [victim.server, victim.worker]
+            for process in victim.new_processes(self.logs, "-2"):
+                self.processes.append(process.start())
             self._wait_active(len(self.nodes), timeout=90)
             progress.advance(task)
 

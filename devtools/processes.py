@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -218,3 +219,20 @@ def run_manage(
         text=True,
         timeout=timeout,
     )
+
+
+def register_node(manage: Callable[..., dict], name: str, url: str, scope: str) -> str:
+    """Register instance ``name`` at ``url`` and create its node principal, of ``scope`` and
+    bound to the instance and to ``url`` as its holder; the principal's token."""
+    manage("kvsp_instance", "add", name, "--url", url)
+    return manage(
+        "kvsp_principal",
+        "create",
+        f"node-{name}",
+        "--scope",
+        scope,
+        "--instance",
+        name,
+        "--holder",
+        url,
+    )["token"]

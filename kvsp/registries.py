@@ -159,6 +159,14 @@ def _registered(names: object) -> str:
     return ", ".join(str(name) for name in names)
 
 
+def _lookup_named(table: Mapping, name: object, what: str, problem: str, registry: str = ""):
+    """The entry of ``table`` named ``name``; ``registry`` names the registry in the refusal."""
+    if not isinstance(name, str) or name not in table:
+        where = f"is not in {registry}" if registry else "is not registered"
+        raise ProtocolError(problem, f"{what} {name!r} {where} (registered: {_registered(table)})")
+    return table[name]
+
+
 def lookup_codec(number: object, problem: str = "kvsp-unsupported-codec") -> Codec:
     """The registered codec with this number."""
     if type(number) is not int or number not in CODECS:
@@ -172,24 +180,14 @@ def lookup_element_type(
     name: object, what: str = "kv_dtype", problem: str = "kvsp-invalid-record"
 ) -> ElementType:
     """The registered element type with this name."""
-    if not isinstance(name, str) or name not in ELEMENT_TYPES:
-        raise ProtocolError(
-            problem,
-            f"{what} {name!r} is not in the KVSP Element Types registry "
-            f"(registered: {_registered(ELEMENT_TYPES)})",
-        )
-    return ELEMENT_TYPES[name]
+    return _lookup_named(ELEMENT_TYPES, name, what, problem, "the KVSP Element Types registry")
 
 
 def lookup_layout(
     name: object, what: str = "layout", problem: str = "kvsp-invalid-record"
 ) -> Layout:
     """The registered layout with this name."""
-    if not isinstance(name, str) or name not in LAYOUTS:
-        raise ProtocolError(
-            problem, f"{what} {name!r} is not registered (registered: {_registered(LAYOUTS)})"
-        )
-    return LAYOUTS[name]
+    return _lookup_named(LAYOUTS, name, what, problem)
 
 
 def parse_positional(
@@ -266,13 +264,9 @@ def lookup_positional_variant(
     name: object, what: str = "positional", problem: str = "kvsp-invalid-record"
 ) -> PositionalVariant:
     """The registered positional variant with this name (no parameters)."""
-    if not isinstance(name, str) or name not in POSITIONAL_ENCODINGS:
-        raise ProtocolError(
-            problem,
-            f"{what} {name!r} is not in the KVSP Positional Encodings registry "
-            f"(registered: {_registered(POSITIONAL_ENCODINGS)})",
-        )
-    return POSITIONAL_ENCODINGS[name]
+    return _lookup_named(
+        POSITIONAL_ENCODINGS, name, what, problem, "the KVSP Positional Encodings registry"
+    )
 
 
 def format_positional(variant: str, **parameters: float | int | str | None) -> str:

@@ -28,11 +28,16 @@ from placement.models import (
     StatusSample,
 )
 
-_PROTOCOL_FIELDS = (
+_LIFECYCLE_FIELDS = (
     "state",
     "state_changed_at",
+    "requested_state",
     "state_version",
     "pushed_state_version",
+    "failed_at",
+    "restarts",
+)
+_STATUS_FIELDS = (
     "epoch",
     "running",
     "queued",
@@ -41,16 +46,13 @@ _PROTOCOL_FIELDS = (
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
     "reported_compat_ids",
-    "requested_state",
-    "last_status",
     "ttl_ms",
     "last_report_at",
     "expires_at",
-    "failed_at",
     "last_sample_at",
-    "restarts",
-    "registered_at",
+    "last_status",
 )
+_PROTOCOL_FIELDS = (*_LIFECYCLE_FIELDS, *_STATUS_FIELDS, "registered_at")
 
 
 def _state_action(target: str, description: str):
@@ -147,37 +149,11 @@ class InstanceAdmin(admin.ModelAdmin):
             ("Registration", {"fields": ("name", "url", "compat_ids", "registered_at")}),
             (
                 "Lifecycle (6.3)",
-                {
-                    "fields": (
-                        "state",
-                        "state_changed_at",
-                        "requested_state",
-                        "state_version",
-                        "pushed_state_version",
-                        "failed_at",
-                        "restarts",
-                    )
-                },
+                {"fields": _LIFECYCLE_FIELDS},
             ),
             (
                 "Latest status record",
-                {
-                    "fields": (
-                        "epoch",
-                        "running",
-                        "queued",
-                        "batch_size",
-                        "kv_utilization",
-                        "prefill_tokens_per_s",
-                        "decode_tokens_per_s",
-                        "reported_compat_ids",
-                        "ttl_ms",
-                        "last_report_at",
-                        "expires_at",
-                        "last_sample_at",
-                        "last_status",
-                    )
-                },
+                {"fields": _STATUS_FIELDS},
             ),
         ]
 

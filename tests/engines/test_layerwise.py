@@ -13,27 +13,10 @@ import torch
 
 from kvsp.container import ContainerStreamReader, decode, encode
 from kvsp.problems import ProtocolError
-from workers.engines.modeldir import create_reference_model
-from workers.engines.reference import ReferenceEngine
+from tests.engines.conftest import B
 
-B = 16
 BLOCKS = 3
 LAYERS = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return create_reference_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def engine_a(model_dir):
-    return ReferenceEngine(model_dir, block_tokens=B, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def engine_b(model_dir):
-    return ReferenceEngine(model_dir, block_tokens=B, device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,6 @@ def octets(directory) -> dict[str, bytes]:
     return {name: (directory / name).read_bytes() for name in FILES}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return create_reference_model(tmp_path_factory.mktemp("model"))
-
-
 def test_same_arguments_give_the_same_octets_in_another_process(model_dir, tmp_path):
     # A different hash seed and thread count rule out dict or set ordering and threaded
     # reductions leaking into the files.

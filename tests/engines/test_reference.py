@@ -15,11 +15,10 @@ from kvsp.container import decode
 from kvsp.problems import ProtocolError
 from kvsp.records import SessionCheckpoint
 from kvsp.registries import RAW_CODEC
-from workers.engines.modeldir import create_reference_model
+from tests.engines.conftest import B
 from workers.engines.reference import ReferenceEngine
 from workers.engines.samplers import TokenSampler
 
-B = 16
 # A cache recomputed from scratch runs the same arithmetic on matrices of other shapes, so its
 # float32 logits may differ in the last bits; 1e-5 is far above the largest difference seen
 # (below 1e-6) and far below the gaps between competing logits.
@@ -30,21 +29,6 @@ SCOPE_KEY = bytes(range(32))
 def prompt_tokens(count: int, seed: int = 0) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, 320, (count,), generator=generator).tolist()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return create_reference_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture(scope="module")
-def engine_a(model_dir):
-    return ReferenceEngine(model_dir, block_tokens=B, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def engine_b(model_dir):
-    return ReferenceEngine(model_dir, block_tokens=B, device="cpu")
 
 
 def received(exported) -> list:

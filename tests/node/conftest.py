@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +132,20 @@ def start_all(processes: list[Process]) -> None:
             process.wait_for(process._healthy, "answer on /healthz", timeout=90)
         else:
             process.wait_for(lambda p=process: " ready." in p.log(), "ready line", timeout=90)
+
+
+@contextmanager
+def serving_http(nodes: dict[str, Node]):
+    """The HTTP process of each of ``nodes`` started, one process of one worker each (no Celery
+    worker), and every node stopped after."""
+    for node in nodes.values():
+        node.http_workers = 1
+    try:
+        start_all([node.processes()[0] for node in nodes.values()])
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
 
 
 def extra_node(

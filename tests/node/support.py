@@ -11,12 +11,14 @@ import select
 import socket
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
 from kvsp.container import MEDIA_TYPE, RAW_CODEC, decode, encode, store_headers
 from kvsp.reprdigest import repr_digest_header
+from tests.support.waiting import wait_until
 
 # The reference model's geometry (workers.engines.modeldir defaults): 4 layers, 2 KV heads of
 # dimension 16, float32, blocks of 16 tokens: sections of 2 KiB, containers of 16,468 octets.
@@ -48,6 +50,59 @@ def container(
 
     sections = [(noise(b"k%d" % i), noise(b"v%d" % i)) for i in range(layers)]
     return encode(RAW_CODEC, 0, tokens, sections)
+
+
+def lease_body(cluster, keys, ttl_ms=5000):
+    return {
+        "compat_id": cluster.compat,
+        "scope_id": cluster.scope_a,
+        "block_keys": keys,
+        "ttl_ms": ttl_ms,
+    }
+
+
+def directive_body(cluster, blocks, *, deadline_ms=20_000, lease_ms=5_000) -> dict:
+    return {
+        "directive": str(uuid.uuid4()),
+        "request_ref": "req-7",
+        "scope_id": cluster.scope_a,
+        "compat_id": cluster.compat,
+        "blocks": [{"block_key": key, "sources": sources} for key, sources in blocks],
+        "layer_order": "ascending",
+        "deadline_ms": deadline_ms,
+        "lease_ms": lease_ms,
+    }
+
+
+def run_directive(cluster, node, body, timeout=30) -> dict:
+    controller = node.api(cluster.tokens["controller"])
+    accepted = controller.post("prefetch", json=body)
+    assert accepted.status_code == 202, accepted.text
+    location = accepted.headers["location"]
+    assert location == f"{node.url}prefetch/{body['directive']}"
+    assert accepted.json()["state"] in ("pending", "complete", "partial", "failed")
+
+    def final():
+        state = controller.get(location).json()
+        return state if state["state"] != "pending" else None
+
+    return wait_until(final, "a final directive state", timeout=timeout)
+
+
+def store(cluster, node, key: str, data: bytes) -> None:
+    stored = node.api(cluster.tokens["reader_a"]).put_block(
+        cluster.compat, cluster.scope_a, key, data
+    )
+    assert stored.status_code == 201
+
+
+def put_chain(cluster, node, count: int, seed: int) -> list[tuple[str, bytes]]:
+    chain = []
+    for offset in range(count):
+        key, data = random_key(), container(seed + offset)
+        store(cluster, node, key, data)
+        chain.append((key, data))
+    return chain
 
 
 def layer_digests(data: bytes) -> list[str]:
@@ -109,6 +164,13 @@ def problem(response: httpx.Response) -> str:
     assert document["status"] == response.status_code and document["detail"]
     assert "Traceback" not in response.text
     return document["type"].rsplit("/", 1)[-1]
+
+
+def assert_problems(cases) -> None:
+    """Each (response, status, problem type name) of ``cases`` answered as it says."""
+    for response, status, name in cases:
+        assert response.status_code == status, response.text
+        assert problem(response) == name
 
 
 def hung_up(connection: socket.socket) -> bool:

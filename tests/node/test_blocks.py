@@ -17,6 +17,7 @@ from kvsp.reprdigest import repr_digest_header, verify_repr_digest
 from tests.node.conftest import REPLICA_TTL_MS
 from tests.node.support import (
     BLOCK,
+    assert_problems,
     container,
     layer_digests,
     problem,
@@ -326,9 +327,7 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
             "kvsp-digest-mismatch",
         ),
     ]
-    for response, status, name in cases:
-        assert response.status_code == status, response.text
-        assert problem(response) == name
+    assert_problems(cases)
     assert api.get_block(cluster.compat, cluster.scope_a, key).status_code == 404
     assert n1.host_files() == files_before
     stored = api.put_block(

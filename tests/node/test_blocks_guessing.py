@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.node.conftest import Node, extra_node, start_all
+from tests.node.conftest import Node, extra_node, serving_http
 from tests.node.support import container, problem, random_key
 
 pytestmark = pytest.mark.django_db
@@ -38,13 +38,8 @@ def guarded_nodes(cluster, django_db_blocker, role_env, log_dir):
                 KVSP_AUTH_FAILURES_PER_S="0.001",
                 KVSP_AUTH_FAILURES_BURST=str(BURST),
             )
-            nodes[cache_s].http_workers = 1
-    try:
-        start_all([node.processes()[0] for node in nodes.values()])
+    with serving_http(nodes):
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 @pytest.mark.parametrize("auth_cache_s", ["0", "2"])

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.node.conftest import BLOCK_OCTETS
-from tests.node.support import container, problem, random_key
+from tests.node.support import assert_problems, container, lease_body, problem, random_key
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -23,15 +23,6 @@ def stored_keys(cluster, node, count: int, seed: int) -> list[str]:
         data = container(seed + offset)
         assert api.put_block(cluster.compat, cluster.scope_a, key, data).status_code == 201
     return keys
-
-
-def lease_body(cluster, keys, ttl_ms=5000):
-    return {
-        "compat_id": cluster.compat,
-        "scope_id": cluster.scope_a,
-        "block_keys": keys,
-        "ttl_ms": ttl_ms,
-    }
 
 
 def test_create_renew_release(cluster):
@@ -195,6 +186,4 @@ def test_bad_lease_requests_are_problems(cluster):
         (api.put("leases/x", json={"ttl_ms": "soon"}), 422, "kvsp-invalid-record"),
         (api.get("leases"), 405, "kvsp-method-not-allowed"),
     ]
-    for response, status, name in cases:
-        assert response.status_code == status, response.text
-        assert problem(response) == name
+    assert_problems(cases)

@@ -13,49 +13,22 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvsp.problems import problem_document
-from tests.node.support import container, counted, problem, random_key, sha256
+from tests.node.support import (
+    assert_problems,
+    container,
+    counted,
+    directive_body,
+    problem,
+    put_chain,
+    random_key,
+    run_directive,
+    sha256,
+    store,
+)
 from tests.node.test_resharding import blocks_sent
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
-
-
-def directive_body(cluster, blocks, *, deadline_ms=20_000, lease_ms=5_000) -> dict:
-    return {
-        "directive": str(uuid.uuid4()),
-        "request_ref": "req-7",
-        "scope_id": cluster.scope_a,
-        "compat_id": cluster.compat,
-        "blocks": [{"block_key": key, "sources": sources} for key, sources in blocks],
-        "layer_order": "ascending",
-        "deadline_ms": deadline_ms,
-        "lease_ms": lease_ms,
-    }
-
-
-def run_directive(cluster, node, body, timeout=30) -> dict:
-    controller = node.api(cluster.tokens["controller"])
-    accepted = controller.post("prefetch", json=body)
-    assert accepted.status_code == 202, accepted.text
-    location = accepted.headers["location"]
-    assert location == f"{node.url}prefetch/{body['directive']}"
-    assert accepted.json()["state"] in ("pending", "complete", "partial", "failed")
-
-    def final():
-        state = controller.get(location).json()
-        return state if state["state"] != "pending" else None
-
-    return wait_until(final, "a final directive state", timeout=timeout)
-
-
-def put_chain(cluster, node, count: int, seed: int) -> list[tuple[str, bytes]]:
-    api = node.api(cluster.tokens["reader_a"])
-    chain = []
-    for offset in range(count):
-        key, data = random_key(), container(seed + offset)
-        assert api.put_block(cluster.compat, cluster.scope_a, key, data).status_code == 201
-        chain.append((key, data))
-    return chain
 
 
 def holders_of(cluster, key: str) -> set[str]:
@@ -140,19 +113,20 @@ def test_the_measured_link_is_the_link_not_the_pipeline(cluster, standin):
     assert 0.6 * 4.0 <= link.mbit_per_s <= 1.3 * 4.0
 
 
+def stored_and_wrong_at_the_standin(cluster, standin, node, seed: int) -> tuple[str, bytes]:
+    """A block stored on ``node`` that the stand-in holds too but sends as other layers, under
+    a Repr-Digest that matches what it sends: only the layer digests of its record give it
+    away."""
+    key, data = random_key(), container(seed)
+    standin.add(key, data)
+    standin.holder.served[key] = container(seed + 1)
+    store(cluster, node, key, data)
+    return key, data
+
+
 def test_wrong_octets_at_a_source_are_refused_and_the_next_source_used(cluster, standin):
     n1, n2 = cluster.node("n1"), cluster.node("n2")
-    key, data = random_key(), container(510)
-    standin.add(key, data)
-    # The stand-in sends other layers, under a Repr-Digest that matches what it sends: only
-    # the layer digests of its record give it away.
-    standin.holder.served[key] = container(511)
-    assert (
-        n1.api(cluster.tokens["reader_a"])
-        .put_block(cluster.compat, cluster.scope_a, key, data)
-        .status_code
-        == 201
-    )
+    key, data = stored_and_wrong_at_the_standin(cluster, standin, n1, 510)
 
     state = run_directive(
         cluster, n2, directive_body(cluster, [(key, [standin.holder.url, n1.url])])
@@ -166,17 +140,9 @@ def test_wrong_octets_at_a_source_are_refused_and_the_next_source_used(cluster, 
 
 def test_only_wrong_sources_fail_the_directive_and_nothing_is_stored(cluster, standin):
     n1, n2 = cluster.node("n1"), cluster.node("n2")
-    key, data = random_key(), container(520)
-    standin.add(key, data)
-    standin.holder.served[key] = container(521)
+    key, data = stored_and_wrong_at_the_standin(cluster, standin, n1, 520)
     # n1's copy is damaged after it was stored: it sends the damaged octets under the
     # Repr-Digest of the original.
-    assert (
-        n1.api(cluster.tokens["reader_a"])
-        .put_block(cluster.compat, cluster.scope_a, key, data)
-        .status_code
-        == 201
-    )
     [path] = [p for p in n1.host_files() if key in p.name]
     damaged = bytearray(path.read_bytes())
     damaged[-1] ^= 0xFF
@@ -431,6 +397,4 @@ def test_bad_directives_are_problems(cluster):
         (controller.get(f"prefetch/{uuid.uuid4()}"), 404, "kvsp-not-found"),
         (controller.get("prefetch/not-a-uuid"), 404, "kvsp-not-found"),
     ]
-    for response, status, name in cases:
-        assert response.status_code == status, response.text
-        assert problem(response) == name
+    assert_problems(cases)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.node.support import problem, random_key
+from tests.node.support import assert_problems, problem, random_key
 
 pytestmark = pytest.mark.django_db
 
@@ -56,6 +56,4 @@ def test_unknown_paths_wrong_methods_and_malformed_ids(cluster):
         (api.post("state", json={}), 405, "kvsp-method-not-allowed"),
         (api.get("leases/x"), 405, "kvsp-method-not-allowed"),
     ]
-    for response, status, name in cases:
-        assert response.status_code == status, response.text
-        assert problem(response) == name
+    assert_problems(cases)

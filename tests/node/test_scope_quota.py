@@ -24,7 +24,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from kvsp.problems import ProtocolError
-from tests.node.conftest import BLOCK_OCTETS, Node, extra_node, start_all
+from tests.node.conftest import BLOCK_OCTETS, Node, extra_node, serving_http
 from tests.node.support import container, counted, problem, random_key
 from tests.support.waiting import wait_until
 from workers import eviction, tiers
@@ -56,14 +56,9 @@ def quota_nodes(cluster, django_db_blocker, role_env, log_dir):
             nodes[key] = extra_node(
                 cluster, role_env, log_dir, f"{key}-{run}", scope_ids, **NODE_TIERS, **extra
             )
-            nodes[key].http_workers = 1
-    try:
-        # PUTs, GETs, leases and records are all the HTTP process's: no worker is needed.
-        start_all([node.processes()[0] for node in nodes.values()])
+    # PUTs, GETs, leases and records are all the HTTP process's: no worker is needed.
+    with serving_http(nodes):
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.node.conftest import Node, start_all
-from tests.node.support import problem
+from tests.node.support import assert_problems, problem
 from tests.support.processes import Beat, free_port
 from tests.support.waiting import wait_until
 
@@ -622,9 +622,7 @@ def test_generate_is_checked_before_anything_is_admitted(serving):
             "kvsp-invalid-state",
         ),
     ]
-    for response, status, name in cases:
-        assert response.status_code == status, response.text
-        assert problem(response) == name
+    assert_problems(cases)
     assert not served_rows(session)
 
     first = reader.post("generate", json=body)
@@ -698,9 +696,7 @@ def test_resume_is_the_controllers_and_checked(serving):
             "kvsp-compat-mismatch",
         ),
     ]
-    for response, status, name in cases:
-        assert response.status_code == status, response.text
-        assert problem(response) == name
+    assert_problems(cases)
     assert not served_rows(session)
 
     # Epoch 3 was never issued by the PC: the node admits the resume, and its first checkpoint

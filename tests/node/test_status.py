@@ -14,7 +14,15 @@ import pytest
 from django.utils import timezone
 
 from tests.node.conftest import STATUS_TTL_MS, Node, extra_node, start_all
-from tests.node.support import container, problem, random_key
+from tests.node.support import (
+    assert_problems,
+    container,
+    directive_body,
+    lease_body,
+    random_key,
+    run_directive,
+    store,
+)
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -183,9 +191,7 @@ def test_put_state_is_the_controllers_and_checked(cluster):
         (n3.api(None).put("state", json={"state": "active"}), 401, "kvsp-unauthenticated"),
         (controller.post("state", json={"state": "active"}), 405, "kvsp-method-not-allowed"),
     ]
-    for response, status, name in cases:
-        assert response.status_code == status, response.text
-        assert problem(response) == name
+    assert_problems(cases)
     same = controller.put("state", json={"state": "active"})
     assert same.status_code == 200 and same.json() == {"state": "active"}
 
@@ -196,54 +202,19 @@ def test_a_restart_raises_the_epoch_and_keeps_leases_and_blocks(cluster):
     n2 = cluster.node("n2")
     api = n2.api(cluster.tokens["reader_a"])
     key, data = random_key(), container(600)
-    assert api.put_block(cluster.compat, cluster.scope_a, key, data).status_code == 201
-    lease = api.post(
-        "leases",
-        json={
-            "compat_id": cluster.compat,
-            "scope_id": cluster.scope_a,
-            "block_keys": [key],
-            "ttl_ms": 60_000,
-        },
-    ).json()
+    store(cluster, n2, key, data)
+    lease = api.post("leases", json=lease_body(cluster, [key], ttl_ms=60_000)).json()
     # A block n2 prefetched has a working copy in its worker's device tier.
     n1 = cluster.node("n1")
     fetched_key = random_key()
-    assert (
-        n1.api(cluster.tokens["reader_a"])
-        .put_block(cluster.compat, cluster.scope_a, fetched_key, container(601))
-        .status_code
-        == 201
-    )
-    directive = {
-        "directive": str(uuid.uuid4()),
-        "scope_id": cluster.scope_a,
-        "compat_id": cluster.compat,
-        "blocks": [{"block_key": fetched_key, "sources": [n1.url]}],
-        "deadline_ms": 20_000,
-        "lease_ms": 5_000,
-    }
-    controller = n2.api(cluster.tokens["controller"])
-    assert controller.post("prefetch", json=directive).status_code == 202
-    wait_until(
-        lambda: controller.get(f"prefetch/{directive['directive']}").json()["state"] == "complete",
-        "the prefetch",
-    )
+    store(cluster, n1, fetched_key, container(601))
+    directive = directive_body(cluster, [(fetched_key, [n1.url])])
+    assert run_directive(cluster, n2, directive)["state"] == "complete"
     assert tiers_of(cluster, n2, fetched_key) == ["device"]
     # While n2 is down its shared memory loses a leased block, and an old crash left a file.
     lost_key = random_key()
-    assert (
-        api.put_block(cluster.compat, cluster.scope_a, lost_key, container(602)).status_code == 201
-    )
-    lost_lease = api.post(
-        "leases",
-        json={
-            "compat_id": cluster.compat,
-            "scope_id": cluster.scope_a,
-            "block_keys": [lost_key],
-            "ttl_ms": 60_000,
-        },
-    ).json()
+    store(cluster, n2, lost_key, container(602))
+    lost_lease = api.post("leases", json=lease_body(cluster, [lost_key], ttl_ms=60_000)).json()
     before = instance(n2.name)
     n2.stop()
     [lost_file] = [p for p in n2.host_files() if lost_key in p.name]

@@ -5,11 +5,16 @@ withdrawn even under a lease; the device tier's working copies show in the resid
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from tests.node.support import container, counted, problem, random_key
+from tests.node.support import (
+    container,
+    counted,
+    directive_body,
+    problem,
+    random_key,
+    run_directive,
+)
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -137,22 +142,8 @@ def test_device_tier_holds_leading_layers_and_the_record_says_so(cluster):
         assert put(cluster, n1, key, seed).status_code == 201
 
     def prefetch(key):
-        directive = str(uuid.uuid4())
-        body = {
-            "directive": directive,
-            "scope_id": cluster.scope_a,
-            "compat_id": cluster.compat,
-            "blocks": [{"block_key": key, "sources": [n1.url]}],
-            "deadline_ms": 20_000,
-            "lease_ms": 5_000,
-        }
-        controller = n3.api(cluster.tokens["controller"])
-        assert controller.post("prefetch", json=body).status_code == 202
-        wait_until(
-            lambda: controller.get(f"prefetch/{directive}").json()["state"] != "pending",
-            "directive end",
-        )
-        assert controller.get(f"prefetch/{directive}").json()["state"] == "complete"
+        state = run_directive(cluster, n3, directive_body(cluster, [(key, [n1.url])]))
+        assert state["state"] == "complete"
 
     prefetch(keys[0])
     split = [

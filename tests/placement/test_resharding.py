@@ -129,14 +129,18 @@ def test_after_an_abort_the_same_reshard_is_tried_again_and_commits(controller, 
     assert list(phases) == [(1, "aborted"), (2, "committed")]
 
 
+def start_split(controller, one, two, *, deadline_ms: int):
+    """Map ctx-1 on ``one`` alone, then start its reshard into halves on ``one`` and ``two``,
+    without a worker to drive it."""
+    controller.put("/kvsp/shardmaps/ctx-1", shard_map(1, ((0, 100), one.url)))
+    next_shards = shard_map(0, ((0, 50), one.url), ((50, 100), two.url))["shards"]
+    return resharding.do_start_reshard("ctx-1", {"shards": next_shards, "deadline_ms": deadline_ms})
+
+
 def test_a_pc_restart_between_prepare_and_commit_finishes_the_operation(controller):
     with StandinNode() as one, StandinNode() as two:
-        controller.put("/kvsp/shardmaps/ctx-1", shard_map(1, ((0, 100), one.url)))
-        next_shards = shard_map(0, ((0, 50), one.url), ((50, 100), two.url))["shards"]
         # No worker runs: the PC "crashed" after every member acknowledged, before deciding.
-        operation = resharding.do_start_reshard(
-            "ctx-1", {"shards": next_shards, "deadline_ms": 9000}
-        )
+        operation = start_split(controller, one, two, deadline_ms=9000)
         ReshardOperation.objects.filter(pk=operation.pk).update(acknowledged=[one.url, two.url])
         assert resharding.drive(operation.pk) == []
         assert ReshardOperation.objects.get().phase == "committed"
@@ -149,11 +153,7 @@ def test_a_pc_restart_between_prepare_and_commit_finishes_the_operation(controll
 
 def test_a_pc_restart_after_the_deadline_aborts(controller):
     with StandinNode() as one, StandinNode() as two:
-        controller.put("/kvsp/shardmaps/ctx-1", shard_map(1, ((0, 100), one.url)))
-        next_shards = shard_map(0, ((0, 50), one.url), ((50, 100), two.url))["shards"]
-        operation = resharding.do_start_reshard(
-            "ctx-1", {"shards": next_shards, "deadline_ms": 100}
-        )
+        operation = start_split(controller, one, two, deadline_ms=100)
         ReshardOperation.objects.filter(pk=operation.pk).update(
             acknowledged=[one.url], deadline_at=timezone.now() - timedelta(seconds=1)
         )
@@ -166,11 +166,7 @@ def test_a_pc_restart_after_the_deadline_aborts(controller):
 
 def test_an_operator_abort_while_preparing(controller):
     with StandinNode() as one, StandinNode() as two:
-        controller.put("/kvsp/shardmaps/ctx-1", shard_map(1, ((0, 100), one.url)))
-        next_shards = shard_map(0, ((0, 50), one.url), ((50, 100), two.url))["shards"]
-        operation = resharding.do_start_reshard(
-            "ctx-1", {"shards": next_shards, "deadline_ms": 9000}
-        )
+        operation = start_split(controller, one, two, deadline_ms=9000)
         resharding.do_abort_reshard(operation.pk)
         resharding.drive(operation.pk)
         assert two.received("POST", "/kvsp/reshard") == [{"map": "ctx-1", "abort": 2, "attempt": 1}]
