@@ -6,7 +6,6 @@ import collections
 import functools
 from datetime import datetime
 
-import numpy as np
 from django.core.signals import request_finished
 from django.db import transaction
 from django.utils import timezone
@@ -82,19 +81,6 @@ def hit_tiers(replica_lists) -> list[int]:
         residencies = (shape,) if isinstance(shape, str) else shape
         counts[min(_TIER_RANK[fastest_tier(residency)] for residency in residencies)] += blocks
     return counts
-
-
-def hit_tiers_of_groups(matched: int, groups) -> list[int]:
-    """``hit_tiers`` of the first ``matched`` blocks from their ``ReplicaGroup``s: the groups
-    slowest tier first, each overwriting the blocks it has, so each block ends at its fastest."""
-    other = len(TIERS) - 1
-    fastest = np.full(matched, other, dtype=np.int64)
-    ranked = [(_TIER_RANK[fastest_tier(group.residency_json)], group) for group in groups]
-    for rank, group in sorted(ranked, key=lambda pair: pair[0], reverse=True):
-        if rank < other:
-            positions = np.asarray(group.positions, dtype=np.int64)
-            fastest[positions[positions < matched]] = rank
-    return np.bincount(fastest, minlength=len(TIERS)).tolist()
 
 
 # --- Lookup outcomes, for /metrics and for the dashboard's hit ratio over time ----------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvsp import cost, fetchplan
+from kvsp import cost, fetchplan, reasons
 from kvsp.records import InstanceStatusRecord
 
 
@@ -36,6 +36,8 @@ class BlockTable:
     shape_size: np.ndarray  # (shapes,) int64
     shape_layers: np.ndarray  # (shapes, entries) int64 layer counts, 0 past the last entry
     shape_read: np.ndarray  # (shapes, entries) float64 read rates, 0.0 where none is given
+    # (shapes,) int64: the fastest tier each shape has layers in, as its rank in reasons.TIERS
+    shape_tier: np.ndarray
 
     def __len__(self) -> int:
         return len(self.block_keys)
@@ -52,13 +54,21 @@ class BlockTable:
         shape_size = np.zeros(len(shapes), dtype=np.int64)
         shape_layers = np.zeros((len(shapes), max(entries, 1)), dtype=np.int64)
         shape_read = np.zeros((len(shapes), max(entries, 1)))
+        shape_tier = np.zeros(len(shapes), dtype=np.int64)
         for s, (size, residency) in enumerate(shapes):
             shape_size[s] = size
+            shape_tier[s] = reasons.tier_rank(reasons.fastest(entry.tier for entry in residency))
             for e, entry in enumerate(residency):
                 shape_layers[s, e] = entry.layer_count
                 shape_read[s, e] = entry.read_mbit_per_s or 0.0
         return cls(
-            tuple(block_keys), tuple(holders), shape_of, shape_size, shape_layers, shape_read
+            tuple(block_keys),
+            tuple(holders),
+            shape_of,
+            shape_size,
+            shape_layers,
+            shape_read,
+            shape_tier,
         )
 
     @classmethod
@@ -188,6 +198,30 @@ def _distinct_rows(ranked: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
     return ranked[first[order]].tolist(), rank[inverse.reshape(-1)]
+
+
+def hit_tiers(blocks: BlockTable) -> np.ndarray:
+    """Matched blocks per tier of ``reasons.TIERS``: each in the fastest tier among its
+    replicas."""
+    if not blocks.holders:
+        return np.zeros(len(reasons.TIERS), dtype=np.int64)
+    other = len(reasons.TIERS) - 1
+    ranks = np.where(blocks.shape_of >= 0, blocks.shape_tier[blocks.shape_of], other)
+    return np.bincount(ranks.min(axis=1), minlength=len(reasons.TIERS))
+
+
+def source_tiers(
+    blocks: BlockTable, positions: np.ndarray, sources: list, source_of: np.ndarray
+) -> np.ndarray:
+    """Blocks per tier of ``reasons.TIERS`` among those of a directive (``directive_sources``):
+    each in the fastest tier its first source has layers of it in."""
+    if not len(positions):
+        return np.zeros(len(reasons.TIERS), dtype=np.int64)
+    column = {holder: h for h, holder in enumerate(blocks.holders)}
+    first_source = np.asarray([column[row[0]] for row in sources], dtype=np.int64)
+    shapes = blocks.shape_of[positions, first_source[source_of]]
+    ranks = blocks.shape_tier[shapes[shapes >= 0]]
+    return np.bincount(ranks, minlength=len(reasons.TIERS))
 
 
 def directive_blocks(status: InstanceStatusRecord, blocks: BlockTable) -> list[dict]:

@@ -51,11 +51,15 @@ EVICTION_CAUSES = (
 _RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 
 
+def tier_rank(tier_name: str) -> int:
+    """The place of a tier name in ``TIERS``, fastest first; ``other``'s for a name not there."""
+    return _RANK.get(tier_name, len(TIERS) - 1)
+
+
 def fastest(tier_names: Iterable[str]) -> str:
     """The fastest of ``TIERS`` among tier names as Residency Entries give them: ``other`` for
     a name the protocol does not know, and when there is none."""
-    other = len(TIERS) - 1
-    return TIERS[min((_RANK.get(name, other) for name in tier_names), default=other)]
+    return TIERS[min(map(tier_rank, tier_names), default=len(TIERS) - 1)]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from common.metrics import TalliedCounter, count_all, database_figures, gauge
-from kvsp.reasons import RECOMPUTE_REASONS, TIERS, fastest_tier
+from kvsp.reasons import RECOMPUTE_REASONS, TIERS
 from placement import selectors
 
 # The tokens of each placed prompt by where the chosen instance gets them.
@@ -39,7 +38,6 @@ EXTERNAL_PREFIX_CACHE_HIT_BLOCKS = TalliedCounter(
     "Blocks a placement's directive loads from peers, by the tier at the first source.",
     ["tier"],
 )
-_TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 
 
 @functools.cache
@@ -50,28 +48,6 @@ def _series(instance: str) -> tuple:
         [EXTERNAL_PREFIX_CACHE_HITS.series(tier) for tier in TIERS],
         [EXTERNAL_PREFIX_CACHE_HIT_BLOCKS.series(tier) for tier in TIERS],
     )
-
-
-def source_tiers(positions: np.ndarray, sources: list[list[str]], source_of: np.ndarray, groups):
-    """Blocks per tier of ``TIERS``: each block of a directive (``pricing.directive_sources``:
-    its position in the lookup, and its list of sources) in the fastest tier its first source
-    has layers of it in, read from the lookup's ``ReplicaGroup``s."""
-    counts = [0] * len(TIERS)
-    if not len(positions):
-        return counts
-    column: dict[str, int] = {}
-    first_of_row = np.asarray([column.setdefault(row[0], len(column)) for row in sources])
-    source_at = np.full(int(positions.max()) + 1, -1, dtype=np.int64)
-    source_at[positions] = first_of_row[source_of]
-    for group in groups:
-        holder = column.get(group.holder)
-        if holder is None:
-            continue
-        at = np.asarray(group.positions, dtype=np.int64)
-        served = int(np.count_nonzero(source_at[at[at < len(source_at)]] == holder))
-        if served:
-            counts[_TIER_RANK[fastest_tier(group.residency_json)]] += served
-    return counts
 
 
 def observe_placement(

@@ -18,7 +18,7 @@ from django.db.models import Subquery
 from django.utils import timezone
 
 from common.permissions import may_read_scope
-from index.metrics import hit_tiers_of_groups, observe_lookup
+from index.metrics import observe_lookup
 from index.models import CompatDescriptor, Scope
 from index.scopekeys import open_scope_key
 from kvsp import blockkeys
@@ -27,7 +27,7 @@ from kvsp.problems import ProtocolError
 from kvsp.reasons import TIERS
 from kvsp.records import PlacementRequest
 from placement import delivery, policy, pricing, services
-from placement.metrics import observe_placement, source_tiers
+from placement.metrics import observe_placement
 from placement.models import Directive, Instance, InstanceState
 from placement.selectors import candidates
 
@@ -96,7 +96,7 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
         "placement",
         len(keys),
         matched,
-        hit_tiers_of_groups(matched, prefix.groups),
+        prefix.hit_tiers(),
         prompt_tokens=len(request.tokens),
         block_tokens=block_tokens,
     )
@@ -125,11 +125,13 @@ def do_place(principal, request: PlacementRequest, *, now=None, timer: Timer | N
     if loads:
         positions, sources, source_of = prefix.directive_sources(chosen)
         if len(positions):
+            # Counted before the directive is handed to its sender thread, which would
+            # otherwise hold the interpreter while this request still has work to do.
+            peer_tiers = prefix.source_tiers(positions, sources, source_of)
             packed = Directive.pack(
                 b"".join(map(keys.__getitem__, positions.tolist())), sources, source_of
             )
             directive = _send_directive(instance, request, scope_id, compat_id, packed)
-            peer_tiers = source_tiers(positions, sources, source_of, prefix.groups)
     observe_placement(
         instance.name,
         prompt_tokens=len(request.tokens),

@@ -84,6 +84,16 @@ class PricedPrefix:
         (``kvsp.pricing.directive_sources``)."""
         return pricing.directive_sources(chosen.status, self.blocks)
 
+    def hit_tiers(self) -> list:
+        """The matched blocks per tier of ``kvsp.reasons.TIERS``, each in the fastest tier
+        among its replicas."""
+        return pricing.hit_tiers(self.blocks).tolist()
+
+    def source_tiers(self, positions: np.ndarray, sources: list, source_of: np.ndarray) -> list:
+        """Blocks per tier of ``kvsp.reasons.TIERS`` of a directive (``directive_sources``): each
+        in the fastest tier its first source has layers of it in."""
+        return pricing.source_tiers(self.blocks, positions, sources, source_of).tolist()
+
     def block_sources(
         self, chosen: PricedCandidate
     ) -> tuple[tuple[str, ...], tuple[cost.BlockSources, ...]]:
