@@ -12,7 +12,7 @@ from django.utils import timezone
 from prometheus_client import Counter, Histogram
 
 from common.metrics import TalliedCounter, Tally, count_all, database_figures, gauge
-from kvsp.reasons import LOOKUP_STOPS, TIERS, fastest_tier
+from kvsp.reasons import LOOKUP_STOPS, TIERS, fastest_tier, tier_rank
 
 LOOKUPS = Counter(
     "kvsp_lookups",
@@ -63,7 +63,6 @@ PREFIX_CACHE_MISSED_BLOCKS = TalliedCounter(
     "Block Keys asked for at and after the stop of a lookup's chain, by why it stopped.",
     ["source", "reason"],
 )
-_TIER_RANK = {tier: rank for rank, tier in enumerate(TIERS)}
 
 
 def hit_tiers(replica_lists) -> list[int]:
@@ -79,7 +78,7 @@ def hit_tiers(replica_lists) -> list[int]:
     counts = [0] * len(TIERS)
     for shape, blocks in shapes.items():
         residencies = (shape,) if isinstance(shape, str) else shape
-        counts[min(_TIER_RANK[fastest_tier(residency)] for residency in residencies)] += blocks
+        counts[min(tier_rank(fastest_tier(residency)) for residency in residencies)] += blocks
     return counts
 
 

@@ -56,7 +56,6 @@ def test_a_small_table_is_counted_exactly():
     assert figures["replicas"] == 30 and figures["tiers"]["disk"]["octets"] == 30 * 4096
 
 
-@pytest.mark.skipif(connection.vendor != "postgresql", reason="sampling is Postgres's")
 def test_past_the_sample_size_the_figures_are_scaled_from_a_sample_of_pages():
     fill(600, tier=Tier.HOST)
     table_pages = pages()
