@@ -18,13 +18,14 @@ from tests.node.conftest import REPLICA_TTL_MS
 from tests.node.support import (
     BLOCK,
     assert_problems,
+    block_gets,
+    blocks_sent,
     container,
     layer_digests,
     problem,
     random_key,
     sha256,
 )
-from tests.node.test_resharding import block_gets, blocks_sent
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -215,7 +216,7 @@ def test_a_loaders_get_is_answered_exactly_as_a_negotiated_one_and_counted(clust
         (n1.api(None), block),
         (n1.api("kvsp_not-a-token"), block),
     ]
-    gets = block_gets(n1)
+    gets = block_gets(n1.url)
     answers = []
     for api, path in cases:
         lean, negotiated = api.get(path), api.get(path, headers=NEGOTIATED)
@@ -230,7 +231,7 @@ def test_a_loaders_get_is_answered_exactly_as_a_negotiated_one_and_counted(clust
     assert "x-frame-options" not in answers[0][1]  # a node serves no pages to frame
     assert answers[0][1]["x-content-type-options"] == "nosniff"
     # Every GET is counted at /metrics, whichever path answered it (HEADs apart).
-    assert block_gets(n1) - gets == 2 * len(cases)
+    assert block_gets(n1.url) - gets == 2 * len(cases)
 
 
 def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):

@@ -13,16 +13,14 @@ controller's worker killed between prepare and commit.
 from __future__ import annotations
 
 import os
-import re
 import signal
 from dataclasses import dataclass
 
-import httpx
 import pytest
 import torch
 
 from tests.node.conftest import Node, extra_node, start_all
-from tests.node.support import container, problem, random_key
+from tests.node.support import blocks_sent, container, problem, random_key
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -175,30 +173,6 @@ def noise_blocks(count: int) -> tuple[list[str], list[bytes]]:
         [random_key() for _ in range(count)],
         [container(os.urandom(8), tokens=BLOCK_TOKENS) for _ in range(count)],
     )
-
-
-def block_gets(node: Node) -> int:
-    """Block GETs the node has answered, from its /metrics."""
-    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
-    pattern = re.compile(r"^kvsp_http_requests_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
-    return int(
-        sum(
-            float(value)
-            for labels, value in pattern.findall(text)
-            if 'endpoint="block"' in labels and 'method="GET"' in labels
-        )
-    )
-
-
-def blocks_sent(node: Node) -> dict[str, int]:
-    """Blocks the node has sent to clients, by the request that asked (a GET of one block, or a
-    batch), from its /metrics."""
-    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
-    pattern = re.compile(r'^kvsp_blocks_sent_total\{request="([a-z]+)"\} ([0-9.e+]+)$', re.M)
-    sent = {"get": 0, "batch": 0}
-    for request, value in pattern.findall(text):
-        sent[request] += int(float(value))
-    return sent
 
 
 def pause(node: Node) -> None:
