@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_index import ensure_wrk, percentile  # noqa: E402
+from bench.bench_index import ensure_wrk, percentile, replica_record  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
 from bench.support import control_env, fresh_database  # noqa: E402
 from devtools.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
@@ -103,24 +103,6 @@ def status_body(name: str, epoch: int, ttl_ms: int) -> dict:
         "links": [],
         "requested_state": None,
         "ttl_ms": ttl_ms,
-    }
-
-
-def replica(scope: str, key: str, holder: str) -> dict:
-    import hashlib
-
-    digests = [hashlib.sha256(f"{key}{n}".encode()).digest() for n in range(8)]
-    return {
-        "block_key": key,
-        "compat_id": COMPAT,
-        "scope_id": scope,
-        "holder": holder,
-        "codec": 1,
-        "size": 65536,
-        "digest": "sha-256:" + hashlib.sha256(b"".join(digests)).hexdigest(),
-        "layer_digests": [d.hex() for d in digests],
-        "residency": [{"tier": "host", "layers": [0, 7]}],
-        "ttl_ms": 600_000,
     }
 
 
@@ -213,7 +195,11 @@ def run(seconds: int, instances: int) -> dict:
                 start = time.perf_counter()
                 try:
                     answer = client.put(
-                        path, json=replica(setup["scope"], key, holder), headers=headers
+                        path,
+                        json=replica_record(
+                            setup["scope"], holder, key, compat_hex=COMPAT, layers=8, size=65536
+                        ),
+                        headers=headers,
                     )
                     ok = answer.status_code in (200, 201)
                 except httpx.HTTPError:
