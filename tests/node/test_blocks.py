@@ -239,6 +239,7 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
     files_before = n1.host_files()
     api = n1.api(cluster.tokens["reader_a"])
     key = random_key()
+    put = partial(api.put_block, cluster.compat, cluster.scope_a, key)
     data = container(7)
     truncated = data[:-100]
     first_layer_1 = data[:8] + (1).to_bytes(4, "big") + data[12:]
@@ -264,66 +265,26 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
             "kvsp-precondition-failed",
         ),
         (
-            api.put_block(
-                cluster.compat, cluster.scope_a, key, data, **{"Content-Type": "application/json"}
-            ),
+            put(data, **{"Content-Type": "application/json"}),
             415,
             "kvsp-unsupported-media-type",
         ),
-        (api.put_block(cluster.compat, cluster.scope_a, key, b""), 411, "kvsp-malformed-request"),
+        (put(b""), 411, "kvsp-malformed-request"),
+        (put(truncated), 422, "kvsp-invalid-container"),
+        (put(first_layer_1), 422, "kvsp-invalid-container"),
+        (put(wrong_tokens), 422, "kvsp-invalid-container"),
         (
-            api.put_block(cluster.compat, cluster.scope_a, key, truncated),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, first_layer_1),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, wrong_tokens),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(
-                cluster.compat,
-                cluster.scope_a,
-                key,
-                data,
-                **{"Repr-Digest": repr_digest_header(sha256(b"other"))},
-            ),
+            put(data, **{"Repr-Digest": repr_digest_header(sha256(b"other"))}),
             422,
             "kvsp-digest-mismatch",
         ),
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, data, **{"Repr-Digest": "sha"}),
-            400,
-            "kvsp-malformed-request",
-        ),
+        (put(data, **{"Repr-Digest": "sha"}), 400, "kvsp-malformed-request"),
         # Without a Repr-Digest the body is still checked as a container.
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, truncated, **{"Repr-Digest": None}),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(
-                cluster.compat, cluster.scope_a, key, wrong_tokens, **{"Repr-Digest": None}
-            ),
-            422,
-            "kvsp-invalid-container",
-        ),
+        (put(truncated, **{"Repr-Digest": None}), 422, "kvsp-invalid-container"),
+        (put(wrong_tokens, **{"Repr-Digest": None}), 422, "kvsp-invalid-container"),
         # Flipped in transit: the sender's Repr-Digest no longer matches.
         (
-            api.put_block(
-                cluster.compat,
-                cluster.scope_a,
-                key,
-                flipped,
-                **{"Repr-Digest": repr_digest_header(sha256(data))},
-            ),
+            put(flipped, **{"Repr-Digest": repr_digest_header(sha256(data))}),
             422,
             "kvsp-digest-mismatch",
         ),
@@ -331,13 +292,7 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
     assert_problems(cases)
     assert api.get_block(cluster.compat, cluster.scope_a, key).status_code == 404
     assert n1.host_files() == files_before
-    stored = api.put_block(
-        cluster.compat,
-        cluster.scope_a,
-        key,
-        data,
-        **{"Repr-Digest": repr_digest_header(sha256(data))},
-    )
+    stored = put(data, **{"Repr-Digest": repr_digest_header(sha256(data))})
     assert stored.status_code == 201
 
 
