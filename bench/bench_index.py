@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.support import PG, control_env, fresh_database  # noqa: E402
 from tests.support.processes import Server, run_manage  # noqa: E402
+from tests.support.replicas import replica_json  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 
@@ -183,28 +184,17 @@ def batch_requests(scope_hex, holder, count, batch):
 
 def replica_records(scope_hex, holder, count):
     return [
-        replica_record(scope_hex, holder, hashlib.sha256(b"pub" + str(i).encode()).hexdigest())
+        replica_json(
+            scope_hex,
+            COMPAT.hex(),
+            hashlib.sha256(b"pub" + str(i).encode()).hexdigest(),
+            holder,
+            layers=LAYERS,
+            size=2097152,
+            ttl_ms=600000,
+        )
         for i in range(count)
     ]
-
-
-def replica_record(
-    scope_hex, holder, key_hex, *, compat_hex=COMPAT.hex(), layers=LAYERS, size=2097152
-) -> dict:
-    """The record of a replica in host memory, with layer digests made up from its key."""
-    layer_digests = [hashlib.sha256(f"{key_hex}/{n}".encode()).digest() for n in range(layers)]
-    return {
-        "block_key": key_hex,
-        "compat_id": compat_hex,
-        "scope_id": scope_hex,
-        "holder": holder,
-        "codec": 1,
-        "size": size,
-        "digest": "sha-256:" + hashlib.sha256(b"".join(layer_digests)).hexdigest(),
-        "layer_digests": [d.hex() for d in layer_digests],
-        "residency": [{"tier": "host", "layers": [0, layers - 1]}],
-        "ttl_ms": 600000,
-    }
 
 
 def main():

@@ -32,10 +32,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_index import ensure_wrk, percentile, replica_record  # noqa: E402
+from bench.bench_index import ensure_wrk, percentile  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
 from bench.support import control_env, fresh_database  # noqa: E402
 from devtools.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
+from tests.support.replicas import replica_json  # noqa: E402
 
 COMPAT = "ab" * 32
 HOLDERS = ["http://soak-holder-a.test/kvsp/", "http://soak-holder-b.test/kvsp/"]
@@ -196,8 +197,14 @@ def run(seconds: int, instances: int) -> dict:
                 try:
                     answer = client.put(
                         path,
-                        json=replica_record(
-                            setup["scope"], holder, key, compat_hex=COMPAT, layers=8, size=65536
+                        json=replica_json(
+                            setup["scope"],
+                            COMPAT,
+                            key,
+                            holder,
+                            layers=8,
+                            size=65536,
+                            ttl_ms=600_000,
                         ),
                         headers=headers,
                     )
