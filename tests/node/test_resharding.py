@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -175,14 +176,16 @@ def noise_blocks(count: int) -> tuple[list[str], list[bytes]]:
     )
 
 
-def pause(node: Node) -> None:
+@contextmanager
+def paused(node: Node):
+    """The node's processes stopped (SIGSTOP) for the block, continued (SIGCONT) after it."""
     for process in (node.worker, node.server):
         process.signal(signal.SIGSTOP)
-
-
-def resume(node: Node) -> None:
-    for process in (node.worker, node.server):
-        process.signal(signal.SIGCONT)
+    try:
+        yield
+    finally:
+        for process in (node.worker, node.server):
+            process.signal(signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -357,8 +360,7 @@ def test_a_member_that_never_acknowledges_aborts_and_what_it_fetched_is_discarde
     discards the blocks it had fetched from a; nothing is released."""
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
     name, keys = sharding.halves("stopped")
-    pause(b)
-    try:
+    with paused(b):
         sharding.reshard(name, (0, 4, a), (4, 12, c), (12, 16, b), deadline_ms=3000)
         wait_until(
             lambda: (move := sharding.move(c, name)) is not None and move.phase == "aborted",
@@ -375,8 +377,6 @@ def test_a_member_that_never_acknowledges_aborts_and_what_it_fetched_is_discarde
             assert sharding.holders(key) == {a.url}
         wait_until(lambda: sharding.move(a, name).phase == "aborted", "a told to abort")
         assert set(sharding.rows(a, keys)) == set(keys[:8])  # nothing released
-    finally:
-        resume(b)
     operation = sharding.finished(name)
     assert sharding.move(b, name).phase == "aborted"
     assert set(sharding.rows(b, keys)) == set(keys[8:])
@@ -412,8 +412,7 @@ def test_a_member_killed_after_acknowledging_applies_the_commit_after_its_restar
     fetched."""
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
     name, keys = sharding.halves("killed")
-    pause(b)
-    try:
+    with paused(b):
         sharding.reshard(name, (0, 4, a), (4, 8, c), (8, 16, b), deadline_ms=30_000)
         wait_until(
             lambda: {a.url, c.url} <= set(sharding.operation(name)["acknowledged"]),
@@ -421,8 +420,6 @@ def test_a_member_killed_after_acknowledging_applies_the_commit_after_its_restar
         )
         c.worker.kill()
         c.server.kill()
-    finally:
-        resume(b)
     wait_until(lambda: sharding.operation(name)["state"] == "committed", "committed")
     wait_until(lambda: sharding.move(a, name).released_blocks == 4, "a released its four")
     pending = sharding.rows(c, keys[4:8])
@@ -451,16 +448,13 @@ def test_a_pc_restart_between_prepare_and_commit_is_finished_by_resume_reshards(
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
     name, keys = sharding.halves("pc-restart")
     worker = sharding.cluster.control_worker
-    pause(b)
-    try:
+    with paused(b):
         sharding.reshard(name, (0, 4, a), (4, 8, c), (8, 16, b), deadline_ms=30_000)
         wait_until(
             lambda: {a.url, c.url} <= set(sharding.operation(name)["acknowledged"]),
             "a and c acknowledged",
         )
         worker.kill()
-    finally:
-        resume(b)
     try:
         assert sharding.operation(name)["state"] == "preparing"
         assert sharding.rows(a, keys[4:8]).keys() == set(keys[4:8])  # nothing released yet
