@@ -16,7 +16,9 @@ Two kinds of figures:
   to memory, and its ``Tally`` adds what it holds to ``common.CounterTotal`` (one row per
   series) and ``common.CounterMinute`` (one per series and minute) in one batch, after a
   response at most once per ``TALLY_WRITE_INTERVAL_S``, and after every Celery task that
-  counted. A scrape reads the totals, one row per series: on a node, its own.
+  counted. A scrape reads the totals, one row per series: on a node, its own. A count whose
+  unit is costly to convert where it is made (``PerUnit``: blocks of a compat id, counted as
+  tokens) is converted when it is written.
 
 Endpoints are labelled by URL pattern name, never by path, so the number of series stays bounded.
 """
@@ -28,8 +30,10 @@ import logging
 import os
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from datetime import datetime
+from typing import NamedTuple
 
 import orjson
 from django.conf import settings
@@ -207,10 +211,59 @@ TALLY_WRITE_INTERVAL_S = 1.0
 TALLIED: dict[str, TalliedCounter] = {}
 
 
+class PerUnit(NamedTuple):
+    """A count in units whose worth in the series' own unit is costly to learn where the count
+    is made (a lookup knows its blocks, not how many tokens a block of its compat id holds):
+    ``UNIT_SIZES[kind]`` says it when the tally is written, for all of a write's units at once,
+    so that counting stays an addition in memory."""
+
+    series: tuple[str, str]
+    kind: str
+    unit: Hashable
+
+
+# What one unit of each kind is worth, registered by the apps (``unit_sizes``): a function of
+# the units a write holds that returns {unit: size}; a unit it does not know is not counted.
+UNIT_SIZES: dict[str, Callable[[set], dict]] = {}
+
+
+def unit_sizes(kind: str):
+    """Register the function that sizes the units of ``kind`` (see ``PerUnit``)."""
+
+    def register(sizes):
+        UNIT_SIZES[kind] = sizes
+        return sizes
+
+    return register
+
+
+def in_series_units(pending: dict) -> dict:
+    """``pending`` with every ``PerUnit`` count multiplied by the size of its unit, under its
+    series."""
+    units: dict[str, set] = defaultdict(set)
+    for _, key in pending:
+        if isinstance(key, PerUnit):
+            units[key.kind].add(key.unit)
+    if not units:
+        return pending
+    sizes = {kind: UNIT_SIZES[kind](found) for kind, found in units.items()}
+    counts: dict = defaultdict(int)
+    for (minute, key), amount in pending.items():
+        if isinstance(key, PerUnit):
+            size = sizes[key.kind].get(key.unit)
+            if not size:
+                continue
+            key, amount = key.series, amount * size
+        counts[minute, key] += amount
+    return counts
+
+
 def _add_counts(pending: dict) -> None:
     from common import services  # models load after this module
 
-    services.do_add_counts(pending)
+    counts = in_series_units(pending)
+    if counts:
+        services.do_add_counts(counts)
 
 
 tally = Tally(_add_counts, lambda: TALLY_WRITE_INTERVAL_S)
@@ -241,8 +294,10 @@ class TalliedCounter:
         tally.add([(self.series(*values), amount)], now or timezone.now())
 
 
-def count_all(counts: Iterable[tuple[tuple[str, str], int]], now: datetime | None = None) -> None:
-    """Several ``(series, amount)`` at once, under one lock."""
+def count_all(
+    counts: Iterable[tuple[tuple[str, str] | PerUnit, int]], now: datetime | None = None
+) -> None:
+    """Several ``(series, amount)`` at once, under one lock (a series may be ``PerUnit``)."""
     tally.add(counts, now or timezone.now())
 
 

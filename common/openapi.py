@@ -1,13 +1,14 @@
-"""The OpenAPI description of both roles' API: request and response schemas in one table.
+"""The OpenAPI description of both roles' API: the schemas of requests and responses, and how a
+view states its contract (``operation``).
 
 The views validate with the protocol core (``kvsp.records``), not with serializers, so
 drf-spectacular cannot infer bodies. The schemas of the records that are msgspec structs are
 generated from their types (``RECORD_TYPES``), so the description and the decoder share one
-definition; this module states the others (answers, envelopes). ``describe`` is a
-drf-spectacular postprocessing hook that puts each operation's request body, header and query
-parameters, responses and links in place from ``OPERATIONS``, ``PARAMETERS`` and ``LINKS``,
-declares the bearer scheme, and gives every error response the problem-details schema. Each
-role's URLconf decides which of the operations its schema lists: the control plane's (DESIGN.md
+definition; this module states the others (answers, envelopes). Each view method states its
+request body, responses and parameters with ``operation`` (drf-spectacular's
+``extend_schema``); ``describe``, a postprocessing hook, adds the schemas, the bearer scheme,
+the links between operations, and problem details for every error status. Each role's URLconf
+decides which of the operations its schema lists: the control plane's (DESIGN.md
 section 3, "Control plane") or a node's ("Node"). The schemas say what a valid message looks
 like; the core remains the judge (a document can match the schema and still break a rule, such
 as overlapping ranges or a reshard plan whose ``to`` is not ``from + 1``).
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 
 from kvsp import compat
 from kvsp.records import (
@@ -462,210 +464,90 @@ SCHEMAS["ReshardPlan"]["properties"].update(
 SCHEMAS["ReshardCommit"]["properties"].update(_ATTEMPT_MEMBER)
 SCHEMAS["ReshardAbort"]["properties"].update(_ATTEMPT_MEMBER)
 
-_BLOCK = "/kvsp/blocks/{compat_id}/{scope_id}/{block_key}"
-
-# (path, method) -> (request schema or None, {status: response schema or None}).
-# Error statuses besides those listed get problem details too (see ``describe``).
-OPERATIONS = {
-    ("/kvsp/compat/{compat_id}", "put"): (
-        "CompatibilityDescriptor",
-        {200: "CompatibilityDescriptor", 201: "CompatibilityDescriptor", 422: "Problem"},
-    ),
-    ("/kvsp/compat/{compat_id}", "get"): (None, {200: "CompatibilityDescriptor", 404: "Problem"}),
-    ("/kvsp/replicas/{compat_id}/{scope_id}/{block_key}", "put"): (
-        "ReplicaRecord",
-        {200: "ReplicaRecord", 201: "ReplicaRecord", 403: "Problem", 422: "Problem"},
-    ),
-    ("/kvsp/replicas/{compat_id}/{scope_id}/{block_key}", "get"): (
-        None,
-        {200: "Replicas", 404: "Problem"},
-    ),
-    ("/kvsp/replicas/{compat_id}/{scope_id}/{block_key}", "delete"): (
-        None,
-        {204: None, 400: "Problem", 403: "Problem", 404: "Problem"},
-    ),
-    ("/kvsp/replicas", "post"): (
-        "ReplicaBatch",
-        {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
-    ),
-    ("/kvsp/replicas/withdrawals", "post"): (
-        "ReplicaWithdrawalBatch",
-        {200: "ReplicaBatchAnswer", 400: "Problem", 413: "Problem"},
-    ),
-    ("/kvsp/lookup", "post"): ("LookupRequest", {200: "LookupAnswer", 413: "Problem"}),
-    ("/kvsp/scopes/{scope_id}/key", "get"): (None, {200: "ScopeKey", 404: "Problem"}),
-    ("/kvsp/tokens", "post"): (
-        "TokenRequest",
-        {200: "TokenGrant", 403: "Problem", 404: "Problem", 422: "Problem"},
-    ),
-    ("/kvsp/tokens/introspect", "post"): (
-        "TokenIntrospectionRequest",
-        {200: "TokenIntrospection", 403: "Problem", 422: "Problem"},
-    ),
-    ("/kvsp/instances/", "get"): (None, {200: "Instances"}),
-    ("/kvsp/instances/{name}", "get"): (None, {200: "Instance", 404: "Problem"}),
-    ("/kvsp/instances/{name}/status", "put"): (
-        "InstanceStatusRecord",
-        {200: "StateAnswer", 403: "Problem", 404: "Problem", 409: "Problem"},
-    ),
-    ("/kvsp/instances/{name}/state", "put"): (
-        "StateChange",
-        {200: "Instance", 403: "Problem", 404: "Problem", 409: "Problem"},
-    ),
-    ("/kvsp/placements", "post"): (
-        "PlacementRequest",
-        {200: "PlacementAnswer", 404: "Problem", 503: "Problem"},
-    ),
-    ("/kvsp/sessions/{session}", "get"): (None, {200: "Session", 404: "Problem"}),
-    ("/kvsp/sessions/{session}/checkpoint", "put"): (
-        "SessionCheckpoint",
-        {200: "CheckpointAnswer", 201: "CheckpointAnswer", 403: "Problem", 409: "Problem"},
-    ),
-    ("/kvsp/sessions/{session}/output", "post"): (
-        "OutputPost",
-        {200: "OutputAnswer", 403: "Problem", 404: "Problem", 409: "Problem"},
-    ),
-    ("/kvsp/sessions/{session}/output", "get"): (None, {200: "Output", 404: "Problem"}),
-    ("/kvsp/shardmaps/{map_id}", "put"): (
-        "ShardMap",
-        {200: "ShardMap", 201: "ShardMap", 403: "Problem", 409: "Problem"},
-    ),
-    ("/kvsp/shardmaps/{map_id}", "get"): (None, {200: "ShardMap", 404: "Problem"}),
-    ("/kvsp/shardmaps/{map_id}/reshard", "post"): (
-        "ReshardRequest",
-        {202: "ReshardOperation", 403: "Problem", 404: "Problem", 409: "Problem"},
-    ),
-    ("/kvsp/shardmaps/{map_id}/reshards/{to_version}", "get"): (
-        None,
-        {200: "ReshardOperation", 404: "Problem"},
-    ),
-    # Node.
-    (_BLOCK, "get"): (
-        None,
-        {200: "BlockContainer", 400: "Problem", 404: "Problem", 406: "Problem"},
-    ),
-    (_BLOCK, "put"): (
-        "BlockContainer",
-        {
-            201: "ReplicaRecord",
-            400: "Problem",
-            403: "Problem",
-            411: "Problem",
-            412: "Problem",
-            413: "Problem",
-            415: "Problem",
-            422: "Problem",
-            428: "Problem",
-            503: "Problem",
-        },
-    ),
-    ("/kvsp/blocks/{compat_id}/{scope_id}", "post"): (
-        "BlockBatchRequest",
-        {200: "BlockBatch", 400: "Problem", 413: "Problem", 422: "Problem"},
-    ),
-    ("/kvsp/leases", "post"): (
-        "LeaseRequest",
-        {201: "LeaseGrant", 404: "Problem", 422: "Problem", 429: "Problem"},
-    ),
-    ("/kvsp/leases/{lease}", "put"): (
-        "LeaseRenewal",
-        {200: "LeaseGrant", 404: "Problem", 422: "Problem", 429: "Problem"},
-    ),
-    ("/kvsp/leases/{lease}", "delete"): (None, {204: None, 404: "Problem"}),
-    ("/kvsp/prefetch", "post"): (
-        "PrefetchDirective",
-        {202: "DirectiveStatusRecord", 403: "Problem", 409: "Problem", 422: "Problem"},
-    ),
-    ("/kvsp/prefetch/{directive}", "get"): (
-        None,
-        {200: "DirectiveStatusRecord", 403: "Problem", 404: "Problem"},
-    ),
-    ("/kvsp/state", "put"): (
-        "StateChange",
-        {200: "StateAnswer", 403: "Problem", 409: "Problem"},
-    ),
-    ("/kvsp/generate", "post"): (
-        "GenerateRequest",
-        {202: "SessionAdmitted", 403: "Problem", 409: "Problem", 503: "Problem"},
-    ),
-    ("/kvsp/sessions/{session}/resume", "post"): (
-        "ResumeRequest",
-        {202: "SessionAdmitted", 403: "Problem", 409: "Problem", 503: "Problem"},
-    ),
-    # A plan is answered once its fetch ranges are loaded: 502 when a source failed, 503 when
-    # deadline_ms passed first.
-    ("/kvsp/reshard", "post"): (
-        "ReshardBody",
-        {200: "ReshardMove", 403: "Problem", 409: "Problem", 502: "Problem", 503: "Problem"},
-    ),
-}
-
 # Bodies that are not JSON, by schema name.
 MEDIA_TYPES = {"BlockContainer": (BLOCK_TYPE,), "BlockBatch": ("multipart/mixed",)}
+PROBLEM = "Problem"
+PROBLEM_TYPE = "application/problem+json"
+
+
+def _schema_name(schema: str | type) -> str:
+    return schema if isinstance(schema, str) else schema.__name__
+
+
+def operation(request=None, responses=None, *, parameters=()):
+    """A view method's contract, stated on the method that serves it (drf-spectacular's
+    ``extend_schema``): its request body and its responses by status, each a record type or a
+    schema of ``SCHEMAS`` by name, ``PROBLEM`` for problem details, None for no content; its
+    header and query ``parameters``, and its response headers (``OpenApiParameter`` with
+    ``response=[status]``). ``describe`` adds problem details for the error statuses a method
+    does not list."""
+    described = {}
+    for status, schema in (responses or {}).items():
+        if schema is None:
+            described[status] = OpenApiResponse(description="no content")
+        elif schema == PROBLEM:
+            described[(status, PROBLEM_TYPE)] = OpenApiResponse(
+                _ref(PROBLEM), description="refused"
+            )
+        else:
+            name = _schema_name(schema)
+            media_types = MEDIA_TYPES.get(name, JSON_TYPES)
+            described[(status, *media_types)] = OpenApiResponse(_ref(name), description="success")
+    contract = {"responses": described, "parameters": list(parameters)}
+    if request is not None:
+        name = _schema_name(request)
+        contract["request"] = {media: _ref(name) for media in MEDIA_TYPES.get(name, JSON_TYPES)}
+    return extend_schema(**contract)
+
 
 _REPR_DIGEST = {"type": "string", "pattern": "^sha-256=:[A-Za-z0-9+/]{43}=:$"}
 
+# Header and query parameters of the block resource (6.7), which the views read themselves.
+LAYERS_QUERY = OpenApiParameter(
+    "layers",
+    {"type": "string", "pattern": "^[0-9]{1,10}-[0-9]{1,10}$"},
+    OpenApiParameter.QUERY,
+    description="the inclusive layer range a-b (a <= b)",
+)
+CODEC_QUERY = OpenApiParameter(
+    "codec",
+    {"type": "string", "pattern": "^[0-9]{1,5}$"},
+    OpenApiParameter.QUERY,
+    description="the codec asked for; this holder does not transcode (406)",
+)
+REPR_DIGEST_HEADER = OpenApiParameter(
+    "Repr-Digest",
+    _REPR_DIGEST,
+    OpenApiParameter.HEADER,
+    description="RFC 9530: the SHA-256 of the body, checked when present (422 when it differs); "
+    "without it the body is checked as a KV Block Container only",
+)
+# Required by this holder: without it the answer is 428 (a holder never replaces a replica, so
+# the client must say it expects none).
+IF_NONE_MATCH_HEADER = OpenApiParameter(
+    "If-None-Match",
+    {"type": "string", "enum": ["*"]},
+    OpenApiParameter.HEADER,
+    required=True,
+    description="'*': store only where this holder has no replica of the key (else 412)",
+)
 
-def _header(name: str, schema: dict, description: str, *, required: bool) -> dict:
-    return {
-        "name": name,
-        "in": "header",
-        "required": required,
-        "schema": schema,
-        "description": description,
-    }
+
+def response_header(name: str, schema: dict, *statuses: int) -> OpenApiParameter:
+    return OpenApiParameter(
+        name, schema, OpenApiParameter.HEADER, required=True, response=list(statuses)
+    )
 
 
-# Header and query parameters, which drf-spectacular cannot see in the views.
-PARAMETERS = {
-    (_BLOCK, "get"): [
-        {
-            "name": "layers",
-            "in": "query",
-            "required": False,
-            "schema": {"type": "string", "pattern": "^[0-9]{1,10}-[0-9]{1,10}$"},
-            "description": "the inclusive layer range a-b (a <= b)",
-        },
-        {
-            "name": "codec",
-            "in": "query",
-            "required": False,
-            "schema": {"type": "string", "pattern": "^[0-9]{1,5}$"},
-            "description": "the codec asked for; this holder does not transcode (406)",
-        },
-    ],
-    (_BLOCK, "put"): [
-        _header(
-            "Repr-Digest",
-            _REPR_DIGEST,
-            "RFC 9530: the SHA-256 of the body, checked when present (422 when it differs); "
-            "without it the body is checked as a KV Block Container only",
-            required=False,
-        ),
-        # Required by this holder: without it the answer is 428 (a holder never replaces a
-        # replica, so the client must say it expects none).
-        _header(
-            "If-None-Match",
-            {"type": "string", "enum": ["*"]},
-            "'*': store only where this holder has no replica of the key (else 412)",
-            required=True,
-        ),
-    ],
-}
+def location_header(*statuses: int) -> OpenApiParameter:
+    """Where the resource a request created is (201, or 202 for one still being made)."""
+    return response_header("Location", {"type": "string"}, *statuses)
 
-_LOCATION = {"Location": {"required": True, "schema": {"type": "string"}}}
 
-# Response headers by (path, method, status).
-RESPONSE_HEADERS = {
-    (_BLOCK, "get", 200): {
-        "Repr-Digest": {"required": True, "schema": _REPR_DIGEST},
-        "Cache-Control": {"required": True, "schema": {"type": "string"}},
-    },
-    (_BLOCK, "put", 201): _LOCATION,
-    ("/kvsp/leases", "post", 201): _LOCATION,
-    ("/kvsp/prefetch", "post", 202): _LOCATION,
-    ("/kvsp/generate", "post", 202): _LOCATION,
-}
+BLOCK_RESPONSE_HEADERS = (
+    response_header("Repr-Digest", _REPR_DIGEST, 200),
+    response_header("Cache-Control", {"type": "string"}, 200),
+)
 
 
 def _operation_ref(path: str, method: str) -> str:
@@ -705,19 +587,8 @@ _COMMON_ERRORS = {
 }
 
 
-def _json_content(schema: dict, media_types=JSON_TYPES) -> dict:
-    return {media_type: {"schema": schema} for media_type in media_types}
-
-
-def _content(schema_name: str) -> dict:
-    return _json_content(_ref(schema_name), MEDIA_TYPES.get(schema_name, JSON_TYPES))
-
-
 def _problem_response(description: str) -> dict:
-    return {
-        "description": description,
-        "content": {"application/problem+json": {"schema": _ref("Problem")}},
-    }
+    return {"description": description, "content": {PROBLEM_TYPE: {"schema": _ref(PROBLEM)}}}
 
 
 # Path parameters as the URL converters accept them, so that a client or a fuzzer sends ids
@@ -734,7 +605,9 @@ PATH_PARAMETERS = {
 
 
 def describe(result, generator, request, public):
-    """drf-spectacular postprocessing hook: bodies, responses and security from the table."""
+    """drf-spectacular postprocessing hook: the schemas, the bearer scheme, path parameters as
+    the converters accept them, links, and problem details for every error status an operation
+    (``operation``) does not list."""
     components = result.setdefault("components", {})
     components.setdefault("schemas", {}).update(SCHEMAS)
     components.setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
@@ -746,31 +619,17 @@ def describe(result, generator, request, public):
             operation["parameters"] = [
                 p for p in operation.get("parameters", []) if p.get("name") != "format"
             ]
-            for parameter in operation.get("parameters", []):
+            for parameter in operation["parameters"]:
                 if parameter.get("in") == "path" and parameter["name"] in PATH_PARAMETERS:
                     parameter["schema"] = PATH_PARAMETERS[parameter["name"]]
-            operation["parameters"] += PARAMETERS.get((path, method), [])
-            request_schema, responses = OPERATIONS.get((path, method), (None, None))
-            if request_schema is not None:
-                operation["requestBody"] = {"required": True, "content": _content(request_schema)}
-            elif method in ("get", "delete"):
-                operation.pop("requestBody", None)
-            if responses is None:
-                continue
-            described = {}
-            for status, schema in responses.items():
-                if schema is None:
-                    described[str(status)] = {"description": "no content"}
-                elif schema == "Problem":
-                    described[str(status)] = _problem_response("refused")
-                else:
-                    described[str(status)] = {"description": "success", "content": _content(schema)}
-                if (path, method, status) in RESPONSE_HEADERS:
-                    described[str(status)]["headers"] = RESPONSE_HEADERS[(path, method, status)]
-                if (path, method, status) in LINKS:
-                    described[str(status)]["links"] = LINKS[(path, method, status)]
+            if "requestBody" in operation:
+                operation["requestBody"]["required"] = True
+            responses = operation.setdefault("responses", {})
+            for status, response in responses.items():
+                links = LINKS.get((path, method, int(status)))
+                if links:
+                    response["links"] = links
             for status, description in _COMMON_ERRORS.items():
-                described.setdefault(str(status), _problem_response(description))
-            operation["responses"] = described
+                responses.setdefault(str(status), _problem_response(description))
             operation["security"] = [{"bearer": []}]
     return result

@@ -20,7 +20,7 @@ import sessions.selectors
 import workers.selectors
 from index.models import Tier
 from kvsp.states import INSTANCE_LIFECYCLE, InstanceEvent
-from kvsp.timeline import in_order
+from kvsp.timeline import first_token_parts, in_order
 from placement.models import Instance, InstanceState, ReshardPhase
 from sessions.services import session_json
 
@@ -477,6 +477,50 @@ def _session_data(page: Page) -> dict:
     }
 
 
+def _request_row(served, block_tokens: int | None) -> dict:
+    row = served.row
+    parts, total = first_token_parts(row.timings_us or {})
+    own_blocks = row.loaded_blocks - served.peer_blocks
+    return {
+        "kind": row.kind,
+        "epoch": row.epoch,
+        "instance": row.instance,
+        "state": row.state,
+        "own_blocks": own_blocks,
+        "peer_blocks": served.peer_blocks,
+        "own_tokens": None if block_tokens is None else own_blocks * block_tokens,
+        "peer_tokens": None if block_tokens is None else served.peer_blocks * block_tokens,
+        "recomputed_tokens": row.recomputed_tokens,
+        "first_token_ms": None if total is None else total / 1000,
+        "first_token_parts_ms": [(step, spent / 1000) for step, spent in parts],
+    }
+
+
+def _session_requests_data(page: Page) -> dict:
+    """The session's own figures, from the rows of the instances that served its requests (a
+    generate, then a resume per failover): tokens from cache against recomputed, and the time
+    to first token of each with its parts."""
+    session = page.session
+    descriptor = index.selectors.descriptor(bytes(session.compat_id))
+    block_tokens = descriptor.block_tokens if descriptor is not None else None
+    requests = [
+        _request_row(served, block_tokens)
+        for served in workers.selectors.served_requests(session.session)
+    ]
+    totals = {
+        origin: sum(row[origin] or 0 for row in requests)
+        for origin in ("own_tokens", "peer_tokens", "recomputed_tokens")
+    }
+    tokens = sum(totals.values())
+    cached = totals["own_tokens"] + totals["peer_tokens"]
+    return {
+        "requests": requests,
+        "totals": totals,
+        "from_cache_ratio": cached / tokens if tokens else None,
+        "block_tokens": block_tokens,
+    }
+
+
 # --- Shard maps and reshards (6.9) ------------------------------------------------------------
 
 
@@ -644,6 +688,14 @@ INSTANCE = (
     ),
 )
 
-SESSION = (Section("session", "Session", "dashboard/sections/session.html", _session_data),)
+SESSION = (
+    Section("session", "Session", "dashboard/sections/session.html", _session_data),
+    Section(
+        "requests",
+        "Its requests: tokens from cache and time to first token",
+        "dashboard/sections/session_requests.html",
+        _session_requests_data,
+    ),
+)
 
 HOLDER = (Section("holder", "Holder", "dashboard/sections/holder.html", _holder_data),)

@@ -107,6 +107,21 @@ def _missing_json(message: str):
     return JsonResponse({"detail": message}, status=404)
 
 
+def _live_view(page_sections, find_page, missing: str):
+    """The live JSON of the pages ``find_page`` finds from the URL's arguments; a 404 saying
+    ``missing`` (formatted with them) where it finds none."""
+
+    @require_safe
+    @staff_json
+    def live(request, **arguments):
+        page = find_page(**arguments)
+        if page is None:
+            return _missing_json(missing.format(**arguments))
+        return _live(request, page_sections, page)
+
+    return live
+
+
 def _back(request, default: str):
     """Where an action returns to: the page it was posted from, if it is one of ours."""
     target = request.POST.get("return_to", "")
@@ -174,13 +189,9 @@ def instance(request, name: str):
     )
 
 
-@require_safe
-@staff_json
-def live_instance(request, name: str):
-    page = _instance_page(name)
-    if page is None:
-        return _missing_json(f"no instance named {name!r} is registered")
-    return _live(request, sections.INSTANCE, page)
+live_instance = _live_view(
+    sections.INSTANCE, _instance_page, "no instance named {name!r} is registered"
+)
 
 
 @require_POST
@@ -301,13 +312,7 @@ def holder(request, holder_id: int):
     )
 
 
-@require_safe
-@staff_json
-def live_holder(request, holder_id: int):
-    page = _holder_page(holder_id)
-    if page is None:
-        return _missing_json(f"no holder {holder_id} is known")
-    return _live(request, sections.HOLDER, page)
+live_holder = _live_view(sections.HOLDER, _holder_page, "no holder {holder_id} is known")
 
 
 @require_POST

@@ -11,7 +11,16 @@ from django.db import transaction
 from django.utils import timezone
 from prometheus_client import Counter, Histogram
 
-from common.metrics import TalliedCounter, Tally, count_all, database_figures, gauge
+from common.metrics import (
+    PerUnit,
+    TalliedCounter,
+    Tally,
+    count_all,
+    database_figures,
+    gauge,
+    unit_sizes,
+)
+from index.models import CompatDescriptor
 from kvsp.reasons import LOOKUP_STOPS, TIERS, fastest_tier, tier_rank
 
 LOOKUPS = Counter(
@@ -35,8 +44,9 @@ LOOKUP_MATCHED_RATIO = Histogram(
 
 # What lookups asked for and where they hit, named as vLLM names its prefix cache's figures
 # (vllm:prefix_cache_queries, vllm:prefix_cache_hits) where the meaning is the same. ``source``
-# is ``lookup`` (POST lookup) or ``placement``; tokens are counted where the request has them
-# (placements: a lookup names Block Keys only, and its block size is not read on the hot path).
+# is ``lookup`` (POST lookup) or ``placement``. A placement knows its prompt's tokens; a lookup
+# names Block Keys only, and its blocks become tokens when the tally is written
+# (``BLOCK_TOKENS``), so that the lookup reads nothing more than its replicas.
 PREFIX_CACHE_QUERIES = TalliedCounter(
     "kvsp_prefix_cache_queries", "Prompt tokens looked up in the index.", ["source"]
 )
@@ -63,6 +73,25 @@ PREFIX_CACHE_MISSED_BLOCKS = TalliedCounter(
     "Block Keys asked for at and after the stop of a lookup's chain, by why it stopped.",
     ["source", "reason"],
 )
+
+
+# Blocks of a compat id, in tokens: the ``block_tokens`` of its Compatibility Descriptor.
+BLOCK_TOKENS = "block_tokens"
+
+# compat_id -> block_tokens, for this process: a descriptor is stored under the id computed
+# from it (4.1), so what a compat id's blocks hold never changes.
+_block_tokens: dict[bytes, int] = {}
+
+
+@unit_sizes(BLOCK_TOKENS)
+def block_tokens_of(compat_ids: set[bytes]) -> dict[bytes, int]:
+    """The tokens of a block of each compat id registered; one query for those not seen yet."""
+    unseen = compat_ids - _block_tokens.keys()
+    if unseen:
+        rows = CompatDescriptor.objects.filter(compat_id__in=list(unseen))
+        for compat_id, block_tokens in rows.values_list("compat_id", "block_tokens"):
+            _block_tokens[bytes(compat_id)] = block_tokens
+    return {c: _block_tokens[c] for c in compat_ids if c in _block_tokens}
 
 
 def hit_tiers(replica_lists) -> list[int]:
@@ -124,6 +153,16 @@ def _tallied_series(source: str) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _token_series(source: str, compat_id: bytes) -> tuple:
+    """The series of a lookup's tokens, in blocks of ``compat_id`` (the compat ids in use are
+    few; a client's made-up ones only take turns in the cache)."""
+    _, _, queries, hits, _, _ = _tallied_series(source)
+    return PerUnit(queries, BLOCK_TOKENS, compat_id), [
+        PerUnit(hit, BLOCK_TOKENS, compat_id) for hit in hits
+    ]
+
+
 @functools.cache
 def _lookup_series(source: str) -> tuple:
     # Resolving labels costs more than counting: once per source, not once per lookup.
@@ -143,9 +182,12 @@ def observe_lookup(
     *,
     prompt_tokens: int = 0,
     block_tokens: int = 0,
+    compat_id: bytes | None = None,
 ) -> None:
     """One prefix lookup of ``block_keys`` keys whose first ``matched`` matched (6.2), those
-    in each of ``TIERS`` as ``hit_tiers`` counts them; tokens when the caller knows them."""
+    in each of ``TIERS`` as ``hit_tiers`` counts them; in tokens as well, from
+    ``prompt_tokens`` and ``block_tokens`` when the caller knows them, else from the blocks of
+    ``compat_id`` when the tally is written."""
     lookups, keys, matched_blocks, ratio = _lookup_series(source)
     lookups.inc()
     keys.inc(block_keys)
@@ -168,6 +210,10 @@ def observe_lookup(
         counts.append((queries, prompt_tokens))
         hit_tokens = (blocks * block_tokens for blocks in tiers)
         counts += zip(hits, hit_tokens, strict=False)
+    elif compat_id is not None:
+        query_tokens, hit_tokens = _token_series(source, compat_id)
+        counts.append((query_tokens, block_keys))
+        counts += zip(hit_tokens, tiers, strict=False)
     if matched < block_keys:
         counts += ((stops, 1), (missed, block_keys - matched))
     count_all(counts, now)

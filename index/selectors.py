@@ -226,7 +226,11 @@ def lookup(principal, request: LookupRequest, *, estimate: PriceTargets, now=Non
     found = replica_rows_by_key(principal, compat_id, scope_id, keys, now=now)
     matched = matched_prefix(keys, found)
     metrics.observe_lookup(
-        "lookup", len(keys), matched, metrics.hit_tiers(found[key] for key in keys[:matched])
+        "lookup",
+        len(keys),
+        matched,
+        metrics.hit_tiers(found[key] for key in keys[:matched]),
+        compat_id=compat_id,
     )
     answer = {
         "matched": matched,

@@ -58,3 +58,16 @@ def in_order(timings: dict, steps=SESSION_STEPS) -> list[tuple[str, int]]:
     """``timings`` as (step, microseconds) pairs, known steps first in their order."""
     known = [(step, timings[step]) for step in steps if step in timings]
     return known + sorted((k, v) for k, v in timings.items() if k not in steps)
+
+
+# The steps of a session's time to first token: waiting for the worker, its Block Keys, loading
+# what the directive brings, computing the rest of the prompt, drawing the first token.
+FIRST_TOKEN_STEPS = SESSION_STEPS[: SESSION_STEPS.index("first_token") + 1]
+
+
+def first_token_parts(timings: dict) -> tuple[list[tuple[str, int]], int | None]:
+    """The steps of ``timings`` that make up its time to first token, in order, and that time
+    in microseconds: None when no first token was drawn."""
+    parts = [(step, timings[step]) for step in FIRST_TOKEN_STEPS if step in timings]
+    total = sum(spent for _, spent in parts) if "first_token" in timings else None
+    return parts, total

@@ -8,7 +8,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from common.metrics import database_figures, gauge, state_gauge
-from kvsp.timeline import SESSION_STEPS
+from kvsp.timeline import first_token_parts
 
 OUTPUT_TOKENS = Counter(
     "kvsp_output_tokens",
@@ -18,11 +18,9 @@ OUTPUT_TOKENS = Counter(
 )
 
 
-# The steps of a session's time to first token (``kvsp.timeline.SESSION_STEPS``): waiting for
-# the worker, its Block Keys, loading what the directive brings, computing the rest of the
-# prompt, drawing the first token. Placement, before them, is the placements endpoint's
-# request time (kvsp_http_request_duration_seconds{endpoint="placements"}).
-TTFT_STEPS = SESSION_STEPS[: SESSION_STEPS.index("first_token") + 1]
+# The steps of a session's time to first token are ``kvsp.timeline.FIRST_TOKEN_STEPS``.
+# Placement, before them, is the placements endpoint's request time
+# (kvsp_http_request_duration_seconds{endpoint="placements"}).
 TTFT_BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TIME_TO_FIRST_TOKEN = Histogram(
     "kvsp_time_to_first_token_seconds",
@@ -41,11 +39,11 @@ TIME_TO_FIRST_TOKEN_STEP = Histogram(
 def observe_timeline(timings_us: dict) -> None:
     """A session's reported timeline (``kvsp.timeline``), once per checkpoint that carries one;
     steps of other names are not shown (each would be a series)."""
-    steps = [step for step in TTFT_STEPS if step in timings_us]
-    for step in steps:
-        TIME_TO_FIRST_TOKEN_STEP.labels(step).observe(timings_us[step] / 1e6)
-    if "first_token" in timings_us:
-        TIME_TO_FIRST_TOKEN.observe(sum(timings_us[step] for step in steps) / 1e6)
+    parts, total = first_token_parts(timings_us)
+    for step, spent in parts:
+        TIME_TO_FIRST_TOKEN_STEP.labels(step).observe(spent / 1e6)
+    if total is not None:
+        TIME_TO_FIRST_TOKEN.observe(total / 1e6)
 
 
 @database_figures("control")

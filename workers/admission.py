@@ -13,6 +13,7 @@ else wanted.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from django.utils import timezone
 from kvsp.container import Container
 from kvsp.problems import ProtocolError
 from kvsp.registries import RAW_CODEC, lookup_codec
-from workers import control_plane, eviction, selectors, tiers
+from workers import control_plane, eviction, metrics, selectors, tiers
 from workers.instance import lock_node
 from workers.models import MovePhase, PendingWithdrawal, ReshardMove, StoredBlock
 from workers.replicas import PUBLISH_RETRY, publish_all, publish_on_commit
@@ -176,7 +177,26 @@ def _admit_to_device(name: str, block: StoredBlock, admission) -> None:
     block.device_layers = admission.layers
     block.device_octets = admission.octets
     block.save(update_fields=["device_layers", "device_octets"])
+    _count_device_copies(name, [(block.tier, admission.octets)])
     _drop_device_copies(name, set(admission.dropped) - {block.ids})
+
+
+def _count_device_copies(name: str, copies: list[tuple[str, int]]) -> None:
+    """Working copies the device tier now holds, as (the tier of the block's serving copy,
+    octets copied to the device): counted as moved from that tier to the device once the
+    transaction commits. Letting a working copy go moves nothing (the hierarchy is inclusive)."""
+    moved = collections.Counter()
+    for tier, octets in copies:
+        moved[tier] += octets
+    if not any(moved.values()):
+        return
+
+    def count() -> None:
+        for tier, octets in moved.items():
+            if octets:
+                metrics.count_tier_move(name, tier, tiers.DEVICE, octets)
+
+    transaction.on_commit(count, robust=True)
 
 
 def _drop_device_copies(
@@ -318,6 +338,7 @@ def _place_many_locked(
     now = timezone.now()
     rows: dict[BlockIds, StoredBlock] = {}
     dropped: set[BlockIds] = set()
+    copies: list[tuple[str, int]] = []
     for ids, spool, fields in fresh:
         path = tiers.block_path(tiers.HOST, name, ids)
         tiers.place_file(spool, path)
@@ -332,10 +353,12 @@ def _place_many_locked(
             admission = device()
             row.device_layers, row.device_octets = admission.layers, admission.octets
             dropped.update(admission.dropped)
+            copies.append((tiers.HOST, admission.octets))
         rows[ids] = row
     for ids in dropped & rows.keys():  # a copy of this batch made room for a later one
         rows[ids].device_layers = rows[ids].device_octets = 0
     created = _insert_stored_blocks(list(rows.values()))
+    _count_device_copies(name, copies)
     _drop_device_copies(name, dropped - rows.keys(), republish)
     for compat_id, scope_id in {(ids[0], ids[1]) for ids, _, _ in fresh}:
         PendingWithdrawal.objects.filter(

@@ -29,8 +29,9 @@ EVICTED_OCTETS = TalliedCounter(
 )
 TIER_MOVED_OCTETS = TalliedCounter(
     "kvsp_tier_moved_octets",
-    "Octets of blocks a node moved from one tier of its store to another (host to disk, to "
-    "make room).",
+    "Octets of blocks a node moved from one tier of its store to another: host to disk, to "
+    "make room; host or disk to device, the device tier's working copies of a block's leading "
+    "layers.",
     ["instance", "from_tier", "to_tier"],
     roles=_BOTH,
 )

@@ -293,7 +293,11 @@ class ServedSession(models.Model):
                 fields=["instance", "session", "epoch"], name="served_session_epoch"
             )
         ]
-        indexes = [models.Index(fields=["instance", "state"])]
+        # A session's page reads its requests across instances, by epoch.
+        indexes = [
+            models.Index(fields=["instance", "state"]),
+            models.Index(fields=["session", "epoch"]),
+        ]
         ordering = ["-received_at"]
 
     def __str__(self) -> str:

@@ -1,14 +1,16 @@
 """Reads of the node: the blocks it holds, the records it publishes for them (4.4, 6.1), the
-state of directives (6.5), and the figures of its status record (6.3)."""
+state of directives (6.5), the figures of its status record (6.3), and the requests of a session
+it served (6.8)."""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from common.permissions import may_read_scope
@@ -16,7 +18,7 @@ from kvsp.container import format_digest
 from kvsp.problems import ProtocolError
 from kvsp.records import DirectiveStatusRecord, Link, ReplicaRecord, ResidencyEntry
 from workers import tiers
-from workers.models import Directive, Lease, MeasuredLink, StoredBlock
+from workers.models import Directive, Lease, MeasuredLink, ServedSession, StoredBlock
 
 # A miss and a block of a scope the caller may not read answer the same (DESIGN.md section 6).
 MISS_DETAIL = "this holder has no replica of the block"
@@ -404,3 +406,46 @@ def recent_leases(limit: int = 20, *, instance: str | None = None, now=None) -> 
     return list(
         _live_leases(now, instance).select_related("principal").order_by("-created_at")[:limit]
     )
+
+
+# The most requests of one session read for its page: one per epoch, so a session that failed
+# over more often than this shows its first ones.
+SESSION_REQUESTS = 50
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    """One request of a session an instance served (a generate, or a resume under a later
+    epoch), and how many of the blocks it imported its prefetch directive loaded from peers:
+    those the directive reports loaded, up to the blocks the request imported (the rest were in
+    the instance's own tiers already)."""
+
+    row: ServedSession
+    peer_blocks: int
+
+
+def served_requests(session, limit: int = SESSION_REQUESTS) -> list[ServedRequest]:
+    """The requests of ``session`` (its UUID) every instance served, by epoch: two queries,
+    the rows and their directives (a resume's by its row, a generate's by its request_ref)."""
+    rows = list(ServedSession.objects.filter(session=session).order_by("epoch", "pk")[:limit])
+    if not rows:
+        return []
+    wanted = Q(pk__in=[row.directive_id for row in rows if row.directive_id is not None])
+    for row in rows:
+        if row.directive_id is None and row.request_ref:
+            wanted |= Q(instance=row.instance, request_ref=row.request_ref)
+    by_id, by_ref = {}, {}
+    directives = Directive.objects.filter(wanted).order_by("received_at", "pk")
+    for directive in directives.only("pk", "instance", "request_ref", "loaded"):
+        by_id[directive.pk] = by_ref[directive.instance, directive.request_ref] = directive
+    found = []
+    for row in rows:
+        if row.directive_id is not None:
+            directive = by_id.get(row.directive_id)
+        else:
+            # A generate runs with the latest directive of its request_ref (as the worker
+            # looks it up), none without one.
+            directive = by_ref.get((row.instance, row.request_ref)) if row.request_ref else None
+        loaded = len(directive.loaded) if directive is not None else 0
+        found.append(ServedRequest(row, min(loaded, row.loaded_blocks)))
+    return found

@@ -7,16 +7,23 @@ lookup."""
 from __future__ import annotations
 
 from django.conf import settings
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter
 from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from common.api import require_object
+from common.openapi import PROBLEM, operation
 from index import delegation, selectors, services
 from index.scopekeys import open_scope_key
 from kvsp.problems import ProtocolError
-from kvsp.records import ReplicaRecord, TokenIntrospectionRequest, TokenRequest
+from kvsp.records import (
+    ReplicaRecord,
+    TokenGrant,
+    TokenIntrospection,
+    TokenIntrospectionRequest,
+    TokenRequest,
+)
 
 
 def _batch_items(data, member: str, item: str) -> list:
@@ -38,6 +45,7 @@ def _batch_items(data, member: str, item: str) -> list:
 class ReplicaView(APIView):
     """One block's replicas: publish or refresh (PUT), withdraw (DELETE), list (GET); spec 6.1."""
 
+    @operation(ReplicaRecord, {200: ReplicaRecord, 201: ReplicaRecord, 403: PROBLEM, 422: PROBLEM})
     def put(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         record = ReplicaRecord.from_json(require_object(request.data))
         for name, in_path, in_body in (
@@ -55,7 +63,10 @@ class ReplicaView(APIView):
             status=status.HTTP_201_CREATED if published.created else status.HTTP_200_OK,
         )
 
-    @extend_schema(parameters=[OpenApiParameter("holder", str, required=True)])
+    @operation(
+        responses={204: None, 400: PROBLEM, 403: PROBLEM, 404: PROBLEM},
+        parameters=[OpenApiParameter("holder", str, required=True)],
+    )
     def delete(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         holder = request.query_params.get("holder")
         if not holder:
@@ -63,6 +74,7 @@ class ReplicaView(APIView):
         services.do_withdraw_replica(request.user, compat_id, scope_id, block_key, holder)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
+    @operation(responses={200: "Replicas", 404: PROBLEM})
     def get(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         found = selectors.replica_rows_by_key(request.user, compat_id, scope_id, [block_key])
         if block_key not in found:
@@ -75,6 +87,7 @@ class ReplicaBatchView(APIView):
     """Batch publication (DESIGN.md section 3, an extension of 6.1): many Replica Records in
     one request, each judged as its single PUT would be, every outcome answered in order."""
 
+    @operation("ReplicaBatch", {200: "ReplicaBatchAnswer", 400: PROBLEM, 413: PROBLEM})
     def post(self, request):
         # A batch whose every record is valid (what holders send) is decoded from its octets
         # in one pass; any other is judged item by item, each told what is wrong with it.
@@ -91,6 +104,7 @@ class ReplicaWithdrawalBatchView(APIView):
     """Batch withdrawal (an extension of 6.1, like batch publication): many replicas, each
     named by the members that name it in its record, each judged as its single DELETE."""
 
+    @operation("ReplicaWithdrawalBatch", {200: "ReplicaBatchAnswer", 400: PROBLEM, 413: PROBLEM})
     def post(self, request):
         replicas = _batch_items(
             request.data, "replicas", '{"compat_id", "scope_id", "block_key", "holder"}'
@@ -102,12 +116,17 @@ class ReplicaWithdrawalBatchView(APIView):
 class CompatView(APIView):
     """Register (PUT) or read (GET) a Compatibility Descriptor under its computed id (4.1)."""
 
+    @operation(
+        "CompatibilityDescriptor",
+        {200: "CompatibilityDescriptor", 201: "CompatibilityDescriptor", 422: PROBLEM},
+    )
     def put(self, request, compat_id: bytes):
         row, created = services.do_register_descriptor(request.data, compat_id.hex())
         return Response(
             row.descriptor, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK
         )
 
+    @operation(responses={200: "CompatibilityDescriptor", 404: PROBLEM})
     def get(self, request, compat_id: bytes):
         row = selectors.descriptor(compat_id)
         if row is None:
@@ -118,6 +137,7 @@ class CompatView(APIView):
 class ScopeKeyView(APIView):
     """The scope key, for principals of the scope: the spec's "means outside this document"."""
 
+    @operation(responses={200: "ScopeKey", 404: PROBLEM})
     def get(self, request, scope_id: bytes):
         scope = selectors.scope_for(request.user, scope_id)
         if scope is None:
@@ -136,6 +156,7 @@ _NO_STORE = {"Cache-Control": "no-store"}
 class TokenView(APIView):
     """POST tokens (DESIGN.md section 6): a delegated token for one scope at one holder."""
 
+    @operation(TokenRequest, {200: TokenGrant, 403: PROBLEM, 404: PROBLEM, 422: PROBLEM})
     def post(self, request):
         grant = delegation.do_issue_token(request.user, TokenRequest.from_json(request.data))
         return Response(grant.to_json(), headers=_NO_STORE)
@@ -145,6 +166,7 @@ class TokenIntrospectionView(APIView):
     """POST tokens/introspect (DESIGN.md section 6, RFC 7662 in shape), for holders and the
     Placement Controller."""
 
+    @operation(TokenIntrospectionRequest, {200: TokenIntrospection, 403: PROBLEM, 422: PROBLEM})
     def post(self, request):
         asked = TokenIntrospectionRequest.from_json(request.data)
         answer = delegation.introspect(request.user, asked.token)

@@ -10,10 +10,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from common.api import require_object
+from common.openapi import PROBLEM, operation
 from common.permissions import IsController, IsControllerOrReadOnly
 from index.selectors import lookup
 from kvsp.problems import ProtocolError
-from kvsp.records import LookupRequest, PlacementRequest
+from kvsp.records import InstanceStatusRecord, LookupRequest, PlacementRequest, ShardMap
 from placement import placements, resharding, services
 from placement.models import Instance
 from placement.selectors import (
@@ -29,6 +30,7 @@ from placement.selectors import (
 class LookupView(APIView):
     """Prefix lookup (spec 6.2), with fetch and recompute estimates per target (6.4)."""
 
+    @operation(LookupRequest, {200: "LookupAnswer", 413: PROBLEM})
     def post(self, request):
         body = require_object(request.data)
         keys = body.get("block_keys")
@@ -44,6 +46,7 @@ class LookupView(APIView):
 class InstanceStatusView(APIView):
     """PUT an Instance Status Record (6.3); the answer carries the state the PC decided."""
 
+    @operation(InstanceStatusRecord, {200: "StateAnswer", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
     def put(self, request, name: str):
         answer = services.do_report_status(request.user, name, request.data)
         return Response(answer.to_json())
@@ -54,6 +57,7 @@ class InstanceStateView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
+    @operation("StateChange", {200: "Instance", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
     def put(self, request, name: str):
         state = require_object(request.data).get("state")
         instance = services.do_change_state(name, state)
@@ -61,11 +65,13 @@ class InstanceStateView(APIView):
 
 
 class InstanceListView(APIView):
+    @operation(responses={200: "Instances"})
     def get(self, request):
         return Response({"instances": [instance_json(i) for i in Instance.objects.all()]})
 
 
 class InstanceDetailView(APIView):
+    @operation(responses={200: "Instance", 404: PROBLEM})
     def get(self, request, name: str):
         instance = Instance.objects.filter(name=name).first()
         if instance is None:
@@ -76,6 +82,7 @@ class InstanceDetailView(APIView):
 class PlacementView(APIView):
     """Choose an instance for a request and prefetch its cache there (6.4, 6.5)."""
 
+    @operation(PlacementRequest, {200: "PlacementAnswer", 404: PROBLEM, 503: PROBLEM})
     def post(self, request):
         timer = placements.Timer()
         placement = PlacementRequest.from_json(request.data)
@@ -89,12 +96,14 @@ class ShardMapView(APIView):
 
     permission_classes = [IsAuthenticated, IsControllerOrReadOnly]
 
+    @operation(responses={200: ShardMap, 404: PROBLEM})
     def get(self, request, map_id: str):
         row = readable_shard_map(request.user, map_id)
         if row is None:
             raise ProtocolError("kvsp-not-found", f"no shard map {map_id!r}")
         return Response(row.document())
 
+    @operation(ShardMap, {200: ShardMap, 201: ShardMap, 403: PROBLEM, 409: PROBLEM})
     def put(self, request, map_id: str):
         row, created = resharding.do_put_shard_map(map_id, request.data)
         return Response(row.document(), status=201 if created else 200)
@@ -105,6 +114,9 @@ class ReshardView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
+    @operation(
+        "ReshardRequest", {202: "ReshardOperation", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM}
+    )
     def post(self, request, map_id: str):
         operation = resharding.do_start_reshard(map_id, request.data)
         location = request.build_absolute_uri(
@@ -118,6 +130,7 @@ class ReshardView(APIView):
 class ReshardOperationView(APIView):
     """The latest attempt of the move to ``to_version``."""
 
+    @operation(responses={200: "ReshardOperation", 404: PROBLEM})
     def get(self, request, map_id: str, to_version: int):
         operation = readable_reshard(request.user, map_id, to_version)
         if operation is None:

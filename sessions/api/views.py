@@ -13,9 +13,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from common.asgibridge import LoopStreamingResponse
+from common.openapi import PROBLEM, operation
 from common.permissions import may_read_scope
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
+from kvsp.records import SessionCheckpoint
 from sessions import services, streams
 from sessions.models import Session
 
@@ -24,12 +26,17 @@ STREAM_IDLE_LIMIT_S = 300
 
 
 class CheckpointView(APIView):
+    @operation(
+        SessionCheckpoint,
+        {200: "CheckpointAnswer", 201: "CheckpointAnswer", 403: PROBLEM, 409: PROBLEM},
+    )
     def put(self, request, session: str):
         answer = services.do_checkpoint(request.user, session, request.data)
         return Response(answer.to_json(), status=201 if answer.created else 200)
 
 
 class SessionView(APIView):
+    @operation(responses={200: "Session", 404: PROBLEM})
     def get(self, request, session: str):
         key = services.parse_session_id(session)
         row = Session.objects.select_related("instance").filter(session=key).first()
@@ -41,9 +48,11 @@ class SessionView(APIView):
 class OutputView(APIView):
     """POST tokens (the serving instance); GET them, or stream them as server-sent events."""
 
+    @operation("OutputPost", {200: "OutputAnswer", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
     def post(self, request, session: str):
         return Response(services.do_post_output(request.user, session, request.data))
 
+    @operation(responses={200: "Output", 404: PROBLEM})
     def get(self, request, session: str):
         after = _int_param(request.query_params.get("after", "-1"), "after")
         if "text/event-stream" in request.headers.get("Accept", ""):

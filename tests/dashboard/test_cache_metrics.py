@@ -48,6 +48,8 @@ def lookup(cluster, keys) -> dict:
 
 
 def test_a_lookup_counts_its_hits_by_the_fastest_tier_and_its_stop(client, cluster):
+    """In blocks, and in tokens: the lookup names Block Keys only, and its blocks are counted
+    in the tokens of a block of its compat id when the tally is written."""
     # Block 0 on the device at one holder and on disk at another: it counts once, as device.
     publish(cluster.holder, cluster, cluster.keys[0], HOLDER, "device")
     ii1 = up("ii1", scope=cluster.scope, links=[])
@@ -63,6 +65,10 @@ def test_a_lookup_counts_its_hits_by_the_fastest_tier_and_its_stop(client, clust
         ("kvsp_prefix_cache_hit_blocks_total", (source, ("tier", "device"))): 1,
         ("kvsp_prefix_cache_hit_blocks_total", (source, ("tier", "host"))): 1,
         ("kvsp_prefix_cache_hit_blocks_total", (source, ("tier", "other"))): 1,
+        ("kvsp_prefix_cache_queries_total", (source,)): 4 * BLOCK_TOKENS,
+        ("kvsp_prefix_cache_hits_total", (source, ("tier", "device"))): BLOCK_TOKENS,
+        ("kvsp_prefix_cache_hits_total", (source, ("tier", "host"))): BLOCK_TOKENS,
+        ("kvsp_prefix_cache_hits_total", (source, ("tier", "other"))): BLOCK_TOKENS,
         ("kvsp_prefix_cache_stops_total", (("reason", "no_replica"), source)): 1,
         ("kvsp_prefix_cache_missed_blocks_total", (("reason", "no_replica"), source)): 1,
         # What the request itself adds (prometheus-client, in process).
@@ -76,7 +82,27 @@ def test_a_lookup_counts_its_hits_by_the_fastest_tier_and_its_stop(client, clust
     lookup(cluster, cluster.keys[:3])
     added = figures.added()
     assert added[("kvsp_prefix_cache_query_blocks_total", (source,))] == 3
+    assert added[("kvsp_prefix_cache_queries_total", (source,))] == 3 * BLOCK_TOKENS
     assert not [key for key in added if key[0].startswith("kvsp_prefix_cache_stops")]
+
+
+def test_a_lookup_of_a_compat_id_nobody_registered_counts_its_blocks_and_no_tokens(client, cluster):
+    figures = Figures(client)
+    request = {"scope_id": cluster.scope.scope_id_hex, "compat_id": "e7" * 32}
+    response = cluster.router.post("/kvsp/lookup", {**request, "block_keys": cluster.keys[:2]})
+    assert response.json()["matched"] == 0
+    added = figures.added()
+    source = ("source", "lookup")
+    assert added[("kvsp_prefix_cache_query_blocks_total", (source,))] == 2
+    assert not [key for key in added if key[0] == "kvsp_prefix_cache_queries_total"]
+
+    # Counted with the lookups of a registered one, the tokens of those are written all the same.
+    figures = Figures(client)
+    cluster.router.post("/kvsp/lookup", {**request, "block_keys": cluster.keys[:2]})
+    lookup(cluster, cluster.keys[:3])
+    added = figures.added()
+    assert added[("kvsp_prefix_cache_query_blocks_total", (source,))] == 5
+    assert added[("kvsp_prefix_cache_queries_total", (source,))] == 3 * BLOCK_TOKENS
 
 
 def test_a_scope_the_caller_may_not_read_counts_as_a_plain_stop(client, cluster):
@@ -93,7 +119,8 @@ def test_a_scope_the_caller_may_not_read_counts_as_a_plain_stop(client, cluster)
     source = ("source", "lookup")
     assert added[("kvsp_prefix_cache_stops_total", (("reason", "no_replica"), source))] == 1
     assert added[("kvsp_prefix_cache_missed_blocks_total", (("reason", "no_replica"), source))] == 2
-    assert not [key for key in added if key[0] == "kvsp_prefix_cache_hit_blocks_total"]
+    assert added[("kvsp_prefix_cache_queries_total", (source,))] == 2 * BLOCK_TOKENS
+    assert not [key for key in added if key[0].startswith("kvsp_prefix_cache_hit")]
 
 
 def test_a_placement_splits_its_tokens_and_counts_the_tier_of_each_source(client, cluster):
@@ -218,4 +245,5 @@ def test_counts_a_write_could_not_add_are_kept_and_added_once_by_the_next(
     added = figures.added()
     source = ("source", "lookup")
     assert added[("kvsp_prefix_cache_query_blocks_total", (source,))] == 4
+    assert added[("kvsp_prefix_cache_queries_total", (source,))] == 4 * BLOCK_TOKENS
     assert added[("kvsp_prefix_cache_stops_total", (("reason", "no_replica"), source))] == 2

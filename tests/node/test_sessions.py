@@ -297,6 +297,34 @@ class Stream:
         return [event["token"] for event in self.events]
 
 
+REQUESTS_SUMMARY = re.compile(
+    r"(\d+) tokens? from the serving instances' own tiers · (\d+) from peers · (\d+) recomputed"
+)
+
+
+def shown_requests(admin_client, session: str, rows: list) -> tuple[int, int, int]:
+    """What the session's dashboard page, and its live JSON alike, show of its requests (the
+    node's ``rows``): each with its time to first token and the parts of it; the tokens of
+    them all from the serving instances' own tiers, from peers, and recomputed."""
+    from django.template.defaultfilters import floatformat
+
+    from kvsp.timeline import first_token_parts
+
+    page = admin_client.get(f"/sessions/{session}")
+    assert page.status_code == 200
+    live = admin_client.get(f"/live/sessions/{session}")
+    assert live.status_code == 200
+    shown = [page.content.decode(), live.json()["html"]["requests"]]
+    for html in shown:
+        for row in rows:
+            parts, total = first_token_parts(row.timings_us)
+            assert total is not None and f"{floatformat(total / 1000, 1)} ms" in html
+            for step, spent in parts:
+                assert f"{step} {floatformat(spent / 1000, 1)} ms" in html
+    (summary,) = {REQUESTS_SUMMARY.search(html).groups() for html in shown}
+    return tuple(map(int, summary))
+
+
 def kill(node: Node) -> None:
     node.worker.kill()
     node.server.kill()
@@ -362,7 +390,9 @@ def test_a_draining_instance_finishes_its_session_then_sleeps_and_refuses_new_on
 # --- Recompute equivalence through the protocol ----------------------------------------------
 
 
-def test_blocks_prefetched_through_a_placement_give_the_logits_of_their_instance(serving):
+def test_blocks_prefetched_through_a_placement_give_the_logits_of_their_instance(
+    serving, admin_client
+):
     """A prompt prefilled on A and published, prefetched by B through a placement's directive:
     B computes the next-token logits A computes from its own cache, bit for bit, and a full
     recompute matches within TOLERANCE with the same greedy continuation."""
@@ -419,6 +449,8 @@ def test_blocks_prefetched_through_a_placement_give_the_logits_of_their_instance
         completed(second)
         (served,) = served_rows(second)
         assert (served.loaded_blocks, served.recomputed_tokens) == (6, 2)
+        # The session's page: the six blocks came from peers through the directive.
+        assert shown_requests(admin_client, second, [served]) == (0, 6 * BLOCK_TOKENS, 2)
         continuation = [t["token"] for t in delivered(serving, second)]
         assert continuation == out[21:24] == serving.expected(query, 3)
     finally:
@@ -464,7 +496,7 @@ def fail_over(serving: Serving, a: str, sampler: dict, seed: int, *, pause: bool
     }
 
 
-def check_resumed(serving: Serving, run: dict) -> None:
+def check_resumed(serving: Serving, run: dict, admin_client) -> None:
     session = run["session"]
     row = completed(session)
     tokens = delivered(serving, session)
@@ -481,22 +513,32 @@ def check_resumed(serving: Serving, run: dict) -> None:
     assert resumed.loaded_blocks >= 3 and resumed.recomputed_tokens >= 1
     # Tokens the resumed instance delivered carry its epoch, and none of them changed.
     assert all(t["epoch"] in (1, row.epoch) for t in tokens)
+    # The session's page shows both requests: the generate recomputed its prompt, the resume
+    # loaded its blocks from the session holder through its directive.
+    requests = served_rows(session)
+    assert [r.kind for r in requests][0] == "generate" and len(requests) >= 2
+    drawn = [r for r in requests if "first_token" in r.timings_us]
+    assert resumed in drawn
+    own, peer, recomputed = shown_requests(admin_client, session, drawn)
+    assert own + peer == BLOCK_TOKENS * sum(r.loaded_blocks for r in requests)
+    assert peer >= BLOCK_TOKENS * resumed.loaded_blocks
+    assert recomputed == sum(r.recomputed_tokens for r in requests)
 
 
-def test_a_killed_instances_greedy_session_resumes_elsewhere_losing_nothing(serving):
+def test_a_killed_instances_greedy_session_resumes_elsewhere_losing_nothing(serving, admin_client):
     duplicates = duplicate_tokens(serving)
     run = fail_over(serving, "e2", GREEDY, seed=5)
-    check_resumed(serving, run)
+    check_resumed(serving, run, admin_client)
     # The tokens the killed instance had released after its last checkpoint are drawn again
     # by the resumed one, and not sent again: the first new token is the resume's first post.
     assert duplicate_tokens(serving) == duplicates
 
 
-def test_a_killed_instances_top_p_session_resumes_with_the_same_sample(serving):
+def test_a_killed_instances_top_p_session_resumes_with_the_same_sample(serving, admin_client):
     """A non-deterministic sampler: no token is released before a checkpoint covers it, so the
     resumed instance draws every later token itself from the restored (seed, step)."""
     run = fail_over(serving, "e3", TOP_P, seed=6)
-    check_resumed(serving, run)
+    check_resumed(serving, run, admin_client)
     from sessions.models import Session
 
     checkpoint = Session.objects.get(session=run["session"]).checkpoint

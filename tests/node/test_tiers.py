@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.node.support import (
+    SECTION,
     container,
     counted,
     directive_body,
@@ -135,11 +136,14 @@ def test_a_lost_copy_is_withdrawn_even_under_a_lease(cluster, n3_blocks):
 
 def test_device_tier_holds_leading_layers_and_the_record_says_so(cluster):
     """Half a block of device tier: a prefetched block keeps layers 0-1 there; the next
-    prefetched block takes the room, and the first one's record goes back to host only."""
+    prefetched block takes the room, and the first one's record goes back to host only. Each
+    working copy counts as octets moved from the host tier to the device; letting one go
+    moves nothing."""
     n1, n3 = cluster.node("n1"), cluster.node("n3")
     keys = [random_key() for _ in range(2)]
     for seed, key in enumerate(keys, start=320):
         assert put(cluster, n1, key, seed).status_code == 201
+    moved_before = counted(n3, "kvsp_tier_moved_octets", "to_tier").get("device", 0)
 
     def prefetch(key):
         state = run_directive(cluster, n3, directive_body(cluster, [(key, [n1.url])]))
@@ -156,3 +160,21 @@ def test_device_tier_holds_leading_layers_and_the_record_says_so(cluster):
     assert residency_at(cluster, n3, keys[0]) == [
         {"tier": "host", "layers": [0, 3], "read_mbit_per_s": HOST_RATE}
     ]
+    # Two copies of layers 0-1, K and V: four sections each. The worker writes its counts
+    # after each task; a scrape reads them.
+    copied = 2 * 4 * SECTION
+    wait_until(
+        lambda: (
+            counted(n3, "kvsp_tier_moved_octets", "to_tier").get("device", 0)
+            == moved_before + copied
+        ),
+        "the device copies counted",
+    )
+    from common.models import CounterTotal
+
+    into_device = CounterTotal.objects.filter(
+        name="kvsp_tier_moved_octets", labels__endswith=',"device"]'
+    ).values_list("labels", flat=True)
+    assert {labels for labels in into_device if f'"{n3.name}"' in labels} == {
+        f'["{n3.name}","host","device"]'
+    }

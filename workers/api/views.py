@@ -31,16 +31,31 @@ from common.api import (
     ReceivedContainer,
     require_object,
 )
+from common.openapi import (
+    BLOCK_RESPONSE_HEADERS,
+    CODEC_QUERY,
+    IF_NONE_MATCH_HEADER,
+    LAYERS_QUERY,
+    PROBLEM,
+    REPR_DIGEST_HEADER,
+    location_header,
+    operation,
+)
 from common.permissions import IsController
 from index.authentication import HolderAuthentication
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
 from kvsp.records import (
     BlockBatchRequest,
+    DirectiveStatusRecord,
+    GenerateRequest,
+    LeaseGrant,
     LeaseRenewal,
     LeaseRequest,
     PrefetchDirective,
+    ReplicaRecord,
     ReshardPlan,
+    ResumeRequest,
     parse_reshard_body,
 )
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
@@ -94,6 +109,10 @@ class BlockView(APIView):
         """Where KvspBlockParser writes a PUT body: the host tier, to be renamed into place."""
         return tiers.new_spool(selectors.node_name())
 
+    @operation(
+        responses={200: "BlockContainer", 400: PROBLEM, 404: PROBLEM, 406: PROBLEM},
+        parameters=[LAYERS_QUERY, CODEC_QUERY, *BLOCK_RESPONSE_HEADERS],
+    )
     def get(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         ids = (bytes(compat_id), bytes(scope_id), bytes(block_key))
         sent = serving.representation_for(request.user, request.query_params, ids)
@@ -101,6 +120,14 @@ class BlockView(APIView):
             BLOCKS_SENT.labels("get").inc()
         return serving.block_response(sent)
 
+    @operation(
+        "BlockContainer",
+        {
+            201: ReplicaRecord,
+            **dict.fromkeys((400, 403, 411, 412, 413, 415, 422, 428, 503), PROBLEM),
+        },
+        parameters=[REPR_DIGEST_HEADER, IF_NONE_MATCH_HEADER, location_header(201)],
+    )
     def put(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         if bytes(scope_id) not in request.user.scope_ids:
             raise ProtocolError("kvsp-forbidden", "not authorized for the block's scope")
@@ -167,6 +194,7 @@ class BlockBatchView(APIView):
         renderer = KvspJSONRenderer()
         return renderer, renderer.media_type
 
+    @operation(BlockBatchRequest, {200: "BlockBatch", 400: PROBLEM, 413: PROBLEM, 422: PROBLEM})
     def post(self, request, compat_id: bytes, scope_id: bytes):
         keys = request.data.get("block_keys") if isinstance(request.data, dict) else None
         if isinstance(keys, list) and len(keys) > settings.KVSP_MAX_BATCH_BLOCKS:
@@ -187,6 +215,11 @@ class LeaseListView(APIView):
 
     authentication_classes = [HolderAuthentication]
 
+    @operation(
+        LeaseRequest,
+        {201: LeaseGrant, 404: PROBLEM, 422: PROBLEM, 429: PROBLEM},
+        parameters=[location_header(201)],
+    )
     def post(self, request):
         grant = leases.do_create_lease(request.user, LeaseRequest.from_json(request.data))
         return Response(
@@ -201,10 +234,12 @@ class LeaseView(APIView):
 
     authentication_classes = [HolderAuthentication]
 
+    @operation(LeaseRenewal, {200: LeaseGrant, 404: PROBLEM, 422: PROBLEM, 429: PROBLEM})
     def put(self, request, lease: str):
         grant = leases.do_renew_lease(request.user, lease, LeaseRenewal.from_json(request.data))
         return Response(grant.to_json())
 
+    @operation(responses={204: None, 404: PROBLEM})
     def delete(self, request, lease: str):
         leases.do_release_lease(request.user, lease)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -215,6 +250,11 @@ class PrefetchView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
+    @operation(
+        PrefetchDirective,
+        {202: DirectiveStatusRecord, 403: PROBLEM, 409: PROBLEM, 422: PROBLEM},
+        parameters=[location_header(202)],
+    )
     def post(self, request):
         row = directives.do_accept_directive(PrefetchDirective.from_json(request.data))
         return Response(
@@ -229,6 +269,7 @@ class DirectiveView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
+    @operation(responses={200: DirectiveStatusRecord, 403: PROBLEM, 404: PROBLEM})
     def get(self, request, directive: uuid.UUID):
         row = Directive.objects.filter(instance=selectors.node_name(), directive=directive).first()
         if row is None:
@@ -241,6 +282,7 @@ class StateView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
+    @operation("StateChange", {200: "StateAnswer", 403: PROBLEM, 409: PROBLEM})
     def put(self, request):
         node = instance.do_set_state(require_object(request.data).get("state"))
         return Response({"state": node.state})
@@ -251,6 +293,11 @@ class GenerateView(APIView):
     spec's). 202 with the session's resource at the control plane as Location, where its
     checkpoints and output tokens appear (6.8)."""
 
+    @operation(
+        GenerateRequest,
+        {202: "SessionAdmitted", 403: PROBLEM, 409: PROBLEM, 503: PROBLEM},
+        parameters=[location_header(202)],
+    )
     def post(self, request):
         row = served_sessions.do_accept_generation(request.user, request.data)
         session_url = f"{settings.KVSP_CONTROL_URL}sessions/{row.session}"
@@ -273,6 +320,7 @@ class ResumeView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
+    @operation(ResumeRequest, {202: "SessionAdmitted", 403: PROBLEM, 409: PROBLEM, 503: PROBLEM})
     def post(self, request, session: str):
         row = served_sessions.do_accept_resume(session, request.data)
         return Response(
@@ -287,6 +335,12 @@ class ReshardView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
+    # A plan is answered once its fetch ranges are loaded: 502 when a source failed, 503 when
+    # deadline_ms passed first.
+    @operation(
+        "ReshardBody",
+        {200: "ReshardMove", 403: PROBLEM, 409: PROBLEM, 502: PROBLEM, 503: PROBLEM},
+    )
     def post(self, request):
         body = parse_reshard_body(request.data)
         if isinstance(body, ReshardPlan):
