@@ -19,6 +19,7 @@ Run: .venv/bin/python bench/bench_index.py [--rows N] [--batch N]   (needs Postg
 from __future__ import annotations
 
 import argparse
+import hashlib
 import http.client
 import json
 import re
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.support import PG, control_env, fresh_database  # noqa: E402
 from tests.support.processes import Server, run_manage  # noqa: E402
+from tests.support.replicas import replica_json  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 
@@ -101,8 +103,6 @@ def load_rows(rows: int, scope_id: bytes) -> None:
 
 
 def key_of(i: int) -> bytes:
-    import hashlib
-
     return hashlib.sha256(b"k" + str(i).encode()).digest()
 
 
@@ -142,20 +142,27 @@ for line in io.lines("%(requests)s") do lines[#lines + 1] = line end
 local i = 0
 request = function()
   i = i %% #lines + 1
-  local method, path, body = lines[i]:match("^(%%S+) (%%S+) (.*)$")
+  local method, token, path, body = lines[i]:match("^(%%S+) (%%S+) (%%S+) (.*)$")
   return wrk.format(method, path, {
-    ["Authorization"] = "Bearer %(token)s",
+    ["Authorization"] = "Bearer " .. token,
     ["Content-Type"] = "application/json"}, body)
 end
 """
 
 
-def write_wrk_script(directory, name, token, requests):
+def write_requests_script(directory, name, requests):
+    """A wrk script that sends ``requests`` in turn, each a (method, bearer token, path, JSON
+    body); the path of the script."""
     request_file = Path(directory) / f"{name}.txt"
-    request_file.write_text("\n".join(f"{m} {p} {json.dumps(b)}" for m, p, b in requests))
+    request_file.write_text("\n".join(f"{m} {t} {p} {json.dumps(b)}" for m, t, p, b in requests))
     script = Path(directory) / f"{name}.lua"
-    script.write_text(WRK_SCRIPT % {"requests": request_file, "token": token})
+    script.write_text(WRK_SCRIPT % {"requests": request_file})
     return str(script)
+
+
+def write_wrk_script(directory, name, token, requests):
+    """A wrk script that sends ``requests``, each a (method, path, JSON body), with ``token``."""
+    return write_requests_script(directory, name, [(m, token, p, b) for m, p, b in requests])
 
 
 def publish_requests(scope_hex, holder, count):
@@ -176,26 +183,18 @@ def batch_requests(scope_hex, holder, count, batch):
 
 
 def replica_records(scope_hex, holder, count):
-    import hashlib
-
-    out = []
-    for i in range(count):
-        key = hashlib.sha256(b"pub" + str(i).encode()).hexdigest()
-        layer_digests = [hashlib.sha256(f"{i}/{n}".encode()).digest() for n in range(LAYERS)]
-        record = {
-            "block_key": key,
-            "compat_id": COMPAT.hex(),
-            "scope_id": scope_hex,
-            "holder": holder,
-            "codec": 1,
-            "size": 2097152,
-            "digest": "sha-256:" + hashlib.sha256(b"".join(layer_digests)).hexdigest(),
-            "layer_digests": [d.hex() for d in layer_digests],
-            "residency": [{"tier": "host", "layers": [0, LAYERS - 1]}],
-            "ttl_ms": 600000,
-        }
-        out.append(record)
-    return out
+    return [
+        replica_json(
+            scope_hex,
+            COMPAT.hex(),
+            hashlib.sha256(b"pub" + str(i).encode()).hexdigest(),
+            holder,
+            layers=LAYERS,
+            size=2097152,
+            ttl_ms=600000,
+        )
+        for i in range(count)
+    ]
 
 
 def main():

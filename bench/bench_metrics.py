@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_index import timed  # noqa: E402
 from bench.support import control_in_process, migrated_in_process  # noqa: E402
 
 DB = "kvsp_bench_metrics"
@@ -82,15 +83,6 @@ def fill(rows: int) -> float:
     return time.perf_counter() - started
 
 
-def timed_ms(call, repeats: int) -> list[float]:
-    spent = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        spent.append((time.perf_counter() - started) * 1000)
-    return spent
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -112,11 +104,11 @@ def main() -> None:
         assert response.status_code == 200 and b"kvsp_database_up 1.0" in response.content
 
     scrape()
-    spent = timed_ms(scrape, arguments.repeats)
+    spent = timed(scrape, arguments.repeats)
     median, slowest = statistics.median(spent), max(spent)
     figures, fraction = selectors.replica_tier_figures()
     exact = selectors.replica_tier_totals()
-    exact_ms = timed_ms(selectors.replica_tier_totals, 3)
+    exact_ms = timed(selectors.replica_tier_totals, 3)
     error = abs(figures["replicas"] - exact["replicas"]) / exact["replicas"]
 
     print(f"scrape of /metrics, {arguments.rows:,} replica rows, {arguments.repeats} scrapes:")

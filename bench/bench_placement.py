@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import http.client
-import json
 import os
 import random
 import statistics
@@ -30,7 +29,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_index import ensure_wrk, percentile, wrk  # noqa: E402
+from bench.bench_index import ensure_wrk, percentile, write_requests_script, wrk  # noqa: E402
 from bench.support import control_env, fresh_database  # noqa: E402
 from tests.support.descriptors import descriptor  # noqa: E402
 from tests.support.processes import Server, run_manage  # noqa: E402
@@ -250,26 +249,9 @@ def main():
         server.stop()
 
 
-STATUS_SCRIPT = """
-local lines = {}
-for line in io.lines("%(requests)s") do lines[#lines + 1] = line end
-local i = 0
-request = function()
-  i = i %% #lines + 1
-  local token, path, body = lines[i]:match("^(%%S+) (%%S+) (.*)$")
-  return wrk.format("PUT", path, {
-    ["Authorization"] = "Bearer " .. token,
-    ["Content-Type"] = "application/json"}, body)
-end
-"""
-
-
 def write_status_script(directory, lines):
-    requests = Path(directory) / "status.txt"
-    requests.write_text("\n".join(f"{t} {p} {json.dumps(b)}" for t, p, b in lines))
-    script = Path(directory) / "status.lua"
-    script.write_text(STATUS_SCRIPT % {"requests": requests})
-    return str(script)
+    """A wrk script of status reports: a PUT of each (token, path, record) of ``lines``."""
+    return write_requests_script(directory, "status", [("PUT", t, p, b) for t, p, b in lines])
 
 
 if __name__ == "__main__":

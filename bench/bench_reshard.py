@@ -33,7 +33,6 @@ import argparse
 import logging
 import os
 import random
-import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +53,7 @@ from bench.support import (  # noqa: E402
 from kvsp.compat import compat_id_hex  # noqa: E402
 from kvsp.cost import MatchedBlock, plan_fetch  # noqa: E402
 from kvsp.records import Link, ReplicaRecord  # noqa: E402
+from tests.node.support import block_gets  # noqa: E402
 from tests.support.processes import Server, Worker  # noqa: E402
 
 DB = "kvsp_bench_reshard"
@@ -108,18 +108,6 @@ def main() -> None:
     for member in MEMBERS:
         processes += [cluster.node_server(member), cluster.node_worker(member)]
     cluster.run(processes, lambda started: run(options, started))
-
-
-def block_gets(url: str) -> int:
-    text = httpx.get(url.replace("/kvsp/", "/metrics"), timeout=10).text
-    pattern = re.compile(r"^kvsp_http_requests_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
-    return int(
-        sum(
-            float(value)
-            for labels, value in pattern.findall(text)
-            if 'endpoint="block"' in labels and 'method="GET"' in labels
-        )
-    )
 
 
 def run(options, cluster: BenchCluster) -> None:

@@ -36,6 +36,7 @@ from bench.bench_index import ensure_wrk, percentile  # noqa: E402
 from bench.bench_placement import write_status_script  # noqa: E402
 from bench.support import control_env, fresh_database  # noqa: E402
 from devtools.processes import Beat, Server, Worker, free_port, run_manage  # noqa: E402
+from tests.support.replicas import replica_json  # noqa: E402
 
 COMPAT = "ab" * 32
 HOLDERS = ["http://soak-holder-a.test/kvsp/", "http://soak-holder-b.test/kvsp/"]
@@ -103,24 +104,6 @@ def status_body(name: str, epoch: int, ttl_ms: int) -> dict:
         "links": [],
         "requested_state": None,
         "ttl_ms": ttl_ms,
-    }
-
-
-def replica(scope: str, key: str, holder: str) -> dict:
-    import hashlib
-
-    digests = [hashlib.sha256(f"{key}{n}".encode()).digest() for n in range(8)]
-    return {
-        "block_key": key,
-        "compat_id": COMPAT,
-        "scope_id": scope,
-        "holder": holder,
-        "codec": 1,
-        "size": 65536,
-        "digest": "sha-256:" + hashlib.sha256(b"".join(digests)).hexdigest(),
-        "layer_digests": [d.hex() for d in digests],
-        "residency": [{"tier": "host", "layers": [0, 7]}],
-        "ttl_ms": 600_000,
     }
 
 
@@ -213,7 +196,17 @@ def run(seconds: int, instances: int) -> dict:
                 start = time.perf_counter()
                 try:
                     answer = client.put(
-                        path, json=replica(setup["scope"], key, holder), headers=headers
+                        path,
+                        json=replica_json(
+                            setup["scope"],
+                            COMPAT,
+                            key,
+                            holder,
+                            layers=8,
+                            size=65536,
+                            ttl_ms=600_000,
+                        ),
+                        headers=headers,
                     )
                     ok = answer.status_code in (200, 201)
                 except httpx.HTTPError:

@@ -305,12 +305,9 @@ http {{
         )
         super().__init__("nginx", [binary, "-p", str(workdir), "-c", str(conf)], {}, log_dir)
 
-    def start(self) -> Nginx:
-        super().start()
-        self.wait_for(self._listening, "nginx listening", timeout=20)
-        return self
+    ready_sign = "nginx listening"
 
-    def _listening(self) -> bool:
+    def ready(self) -> bool:
         try:
             return httpx.get(f"http://127.0.0.1:{self.port}/", timeout=1).status_code < 500
         except httpx.HTTPError:

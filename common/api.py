@@ -136,22 +136,19 @@ class KvspBlockParser(BaseParser):
         return ReceivedContainer(Path(spool.name), mapping, container, hasher.digest())
 
 
-class KvspBlockRenderer(BaseRenderer):
+class KvspBlockRenderer(KvspJSONRenderer):
     """``application/kvsp-block``: octets or container parts as they are; anything else (the
     problem details of an error) as JSON."""
 
     media_type = KVSP_BLOCK
     format = "kvsp-block"
-    charset = None
 
     def render(self, data, accepted_media_type=None, renderer_context=None):
-        if data is None:
-            return b""
         if isinstance(data, bytes | bytearray | memoryview):
             return bytes(data)
         if isinstance(data, list | tuple):
             return b"".join(data)
-        return orjson.dumps(data, option=_ORJSON_OPTIONS)
+        return super().render(data, accepted_media_type, renderer_context)
 
 
 # DRF exceptions map to our problem names by class; anything else by its status code.

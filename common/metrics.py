@@ -113,6 +113,11 @@ def gauge(name: str, documentation: str, labels=(), values=()) -> GaugeMetricFam
     return family
 
 
+def state_gauge(name: str, documentation: str, counts: dict[str, int]) -> GaugeMetricFamily:
+    """A gauge of ``counts``, rows per state, labelled ``state``."""
+    return gauge(name, documentation, ["state"], (((state,), n) for state, n in counts.items()))
+
+
 class DatabaseCollector:
     """The figures the database records, read at each scrape: the whole cluster on the control
     plane; on a node, its own."""

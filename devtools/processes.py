@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -41,7 +42,13 @@ def free_port() -> int:
 
 
 class Process:
-    """A child process with its output in a log file; stopped (and its group killed) on exit."""
+    """A child process with its output in a log file; stopped (and its group killed) on exit.
+
+    A kind of process that takes a while to be of use names ``ready_sign``, what shows that it
+    is, and checks for it in ``ready``; ``start`` returns once it shows.
+    """
+
+    ready_sign = ""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path):
         self.name = name
@@ -50,7 +57,16 @@ class Process:
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> Process:
+    def ready(self) -> bool:
+        return True
+
+    def start(self, timeout: float = 30) -> Self:
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to be ready."""
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             self.argv,
@@ -62,7 +78,10 @@ class Process:
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         log.close()
-        return self
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        if self.ready_sign:
+            self.wait_for(self.ready, self.ready_sign, timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -141,71 +160,54 @@ class Server(Process):
         argv += ["--timeout", "120", "--graceful-timeout", "3"]
         super().__init__(name, argv, {**extra, **env}, log_dir)
 
-    def start(self) -> Server:
-        super().start()
-        self.wait_for(self._healthy, "answer on /healthz")
-        return self
+    ready_sign = "answer on /healthz"
 
-    def _healthy(self) -> bool:
+    def ready(self) -> bool:
         try:
             return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 
 
-class Worker(Process):
+class CeleryProcess(Process):
+    """A Celery program of the project (``celery -A kvspsite ...``), ready once its log shows
+    ``ready_line``."""
+
+    ready_line = ""
+
+    def __init__(self, name, env, log_dir, program_args: list[str]):
+        argv = [str(BIN / "celery"), "-A", "kvspsite", *program_args, "--loglevel", "INFO"]
+        super().__init__(name, argv, env, log_dir)
+        self.ready_sign = f"line {self.ready_line!r} in its log"
+
+    def ready(self) -> bool:
+        return self.ready_line in self.log()
+
+
+class Worker(CeleryProcess):
     """A Celery worker consuming the given queues (solo pool unless ``pool`` says otherwise; a
     node's worker runs ``threads``)."""
+
+    ready_line = " ready."
 
     def __init__(
         self, name, env, log_dir, *, queues: list[str], pool: str = "solo", concurrency: int = 1
     ):
-        argv = [
-            str(BIN / "celery"),
-            "-A",
-            "kvspsite",
-            "worker",
-            "--pool",
-            pool,
-            "--concurrency",
-            str(concurrency),
-            "--queues",
-            ",".join(queues),
-            "--hostname",
-            f"{name}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--loglevel",
-            "INFO",
-        ]
-        super().__init__(name, argv, env, log_dir)
-
-    def start(self) -> Worker:
-        super().start()
-        self.wait_for(lambda: " ready." in self.log(), "ready line")
-        return self
+        program_args = ["worker", "--pool", pool, "--concurrency", str(concurrency)]
+        program_args += ["--queues", ",".join(queues), "--hostname", f"{name}@%h"]
+        program_args += ["--without-gossip", "--without-mingle"]
+        super().__init__(name, env, log_dir, program_args)
 
 
-class Beat(Process):
+class Beat(CeleryProcess):
     """Celery beat, sending the housekeeping schedule; its schedule file lives in ``log_dir``."""
 
-    def __init__(self, name, env, log_dir):
-        argv = [
-            str(BIN / "celery"),
-            "-A",
-            "kvspsite",
-            "beat",
-            "--schedule",
-            str(log_dir / f"{name}-schedule"),
-            "--loglevel",
-            "INFO",
-        ]
-        super().__init__(name, argv, env, log_dir)
+    ready_line = "beat: Starting"
 
-    def start(self) -> Beat:
-        super().start()
-        self.wait_for(lambda: "beat: Starting" in self.log(), "start line")
-        return self
+    def __init__(self, name, env, log_dir):
+        super().__init__(
+            name, env, log_dir, ["beat", "--schedule", str(log_dir / f"{name}-schedule")]
+        )
 
 
 def run_manage(

@@ -13,6 +13,7 @@ from django.db.models import Count, Q
 from django.urls import reverse
 from django.utils import timezone
 
+from common.admin import ExpiryFilter, RowAdmin
 from index import services
 from index.authentication import new_token
 from index.models import CompatDescriptor, Holder, LookupBucket, Principal, Replica, Scope, Tier
@@ -123,22 +124,6 @@ class ScopeIdFilter(admin.SimpleListFilter):
         return queryset.filter(scope_id=bytes.fromhex(self.value()))
 
 
-class ExpiryFilter(admin.SimpleListFilter):
-    title = "expiry"
-    parameter_name = "expiry"
-
-    def lookups(self, request, model_admin):
-        return [("unexpired", "unexpired"), ("expired", "expired, not yet deleted")]
-
-    def queryset(self, request, queryset):
-        now = timezone.now()
-        if self.value() == "unexpired":
-            return queryset.filter(expires_at__gt=now)
-        if self.value() == "expired":
-            return queryset.filter(expires_at__lte=now)
-        return queryset
-
-
 @admin.register(Replica)
 class ReplicaAdmin(admin.ModelAdmin):
     list_display = (
@@ -243,18 +228,9 @@ class CompatDescriptorAdmin(admin.ModelAdmin):
 
 
 @admin.register(LookupBucket)
-class LookupBucketAdmin(admin.ModelAdmin):
+class LookupBucketAdmin(RowAdmin):
     list_display = ("minute", "lookups", "hits", "block_keys", "matched_blocks", "ratio")
     date_hierarchy = "minute"
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in LookupBucket._meta.fields]
 
     @admin.display(description="matched / asked")
     def ratio(self, obj):

@@ -190,6 +190,20 @@ class BlockKeyChain:
         self._count = count
         self._tail = b""
 
+    @classmethod
+    def after(
+        cls, scope_key: bytes, compat_id: bytes, block_tokens: int, keys: Sequence[bytes]
+    ) -> BlockKeyChain:
+        """The chain that continues after ``keys``, the keys of its first blocks (none or
+        more)."""
+        return cls(
+            scope_key,
+            compat_id,
+            block_tokens,
+            previous=keys[-1] if keys else None,
+            count=len(keys),
+        )
+
     @property
     def previous(self) -> bytes:
         """The last key of the chain, K[count-1]; 32 zero octets before the first."""

@@ -85,24 +85,24 @@ def _master_key() -> bytes:
     )
 
 
-def _int_setting(name: str, default: int) -> int:
+def _non_negative_setting(name: str, default, read, kind: str):
+    """The setting ``name`` as ``read`` (env.int or env.float) reads it, ``kind`` naming what
+    it must be; never below 0."""
     try:
-        value = env.int(name, default=default)
+        value = read(name, default=default)
     except ValueError:
-        raise ImproperlyConfigured(f"{name}={env.str(name)!r} is not an integer") from None
+        raise ImproperlyConfigured(f"{name}={env.str(name)!r} is not {kind}") from None
     if value < 0:
         raise ImproperlyConfigured(f"{name}={value} must not be negative")
     return value
+
+
+def _int_setting(name: str, default: int) -> int:
+    return _non_negative_setting(name, default, env.int, "an integer")
 
 
 def _float_setting(name: str, default: float) -> float:
-    try:
-        value = env.float(name, default=default)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name}={env.str(name)!r} is not a number") from None
-    if value < 0:
-        raise ImproperlyConfigured(f"{name}={value} must not be negative")
-    return value
+    return _non_negative_setting(name, default, env.float, "a number")
 
 
 def _url_setting(name: str, default: str, schemes: tuple[str, ...]) -> str:

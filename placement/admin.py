@@ -15,6 +15,7 @@ from django.core.exceptions import ValidationError
 from django.urls import reverse
 from django.utils import timezone
 
+from common.admin import ExpiryFilter, RowAdmin
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from placement import resharding, services
@@ -97,20 +98,11 @@ class InstanceForm(forms.ModelForm):
         return compat_ids
 
 
-class LivenessFilter(admin.SimpleListFilter):
+class LivenessFilter(ExpiryFilter):
     title = "status record"
     parameter_name = "record"
-
-    def lookups(self, request, model_admin):
-        return [("live", "unexpired"), ("expired", "expired or none")]
-
-    def queryset(self, request, queryset):
-        now = timezone.now()
-        if self.value() == "live":
-            return queryset.filter(expires_at__gt=now)
-        if self.value() == "expired":
-            return queryset.exclude(expires_at__gt=now)
-        return queryset
+    unexpired = ("live", "unexpired")
+    expired = ("expired", "expired or none")
 
 
 @admin.register(Instance)
@@ -165,18 +157,8 @@ class InstanceAdmin(admin.ModelAdmin):
         return reverse("dashboard:instance", args=[obj.name])
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Rows only the protocol writes: viewable, never added or edited by hand."""
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-
 @admin.register(Directive)
-class DirectiveAdmin(ReadOnlyAdmin):
+class DirectiveAdmin(RowAdmin):
     list_display = (
         "directive",
         "instance",
@@ -196,8 +178,7 @@ class DirectiveAdmin(ReadOnlyAdmin):
     exclude = ("block_keys", "sources", "block_sources")  # packed: shown as "blocks"
 
     def get_readonly_fields(self, request, obj=None):
-        fields = [f.name for f in Directive._meta.fields if f.name not in self.exclude]
-        return fields + ["blocks", "latency"]
+        return [*super().get_readonly_fields(request, obj), "blocks", "latency"]
 
     def get_search_results(self, request, queryset, search_term):
         found, duplicates = super().get_search_results(request, queryset, search_term)
@@ -222,7 +203,7 @@ class DirectiveAdmin(ReadOnlyAdmin):
 
 
 @admin.register(StatusSample)
-class StatusSampleAdmin(ReadOnlyAdmin):
+class StatusSampleAdmin(RowAdmin):
     list_display = (
         "instance",
         "at",
@@ -237,9 +218,6 @@ class StatusSampleAdmin(ReadOnlyAdmin):
     list_filter = ("instance", "state")
     list_select_related = ("instance",)
     date_hierarchy = "at"
-
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in StatusSample._meta.fields]
 
 
 class ReshardOperationInline(admin.TabularInline):
@@ -261,13 +239,10 @@ class ReshardOperationInline(admin.TabularInline):
 
 
 @admin.register(ShardMap)
-class ShardMapAdmin(ReadOnlyAdmin):
+class ShardMapAdmin(RowAdmin):
     list_display = ("map", "version", "shard_count", "members", "updated_at")
     search_fields = ("map",)
     inlines = (ReshardOperationInline,)
-
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in ShardMap._meta.fields]
 
     @admin.display(description="shards")
     def shard_count(self, obj):
@@ -279,7 +254,7 @@ class ShardMapAdmin(ReadOnlyAdmin):
 
 
 @admin.register(ReshardOperation)
-class ReshardOperationAdmin(ReadOnlyAdmin):
+class ReshardOperationAdmin(RowAdmin):
     list_display = (
         "__str__",
         "phase",
@@ -295,9 +270,6 @@ class ReshardOperationAdmin(ReadOnlyAdmin):
     search_fields = ("shard_map__map", "reason")
     list_select_related = ("shard_map",)
     actions = ("abort",)
-
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in ReshardOperation._meta.fields]
 
     @admin.display(description="acknowledged")
     def acknowledged_of_members(self, obj):

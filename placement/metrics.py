@@ -8,7 +8,7 @@ import functools
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from common.metrics import TalliedCounter, count_all, database_figures, gauge
+from common.metrics import TalliedCounter, count_all, database_figures, gauge, state_gauge
 from kvsp.reasons import RECOMPUTE_REASONS, TIERS
 from placement import selectors
 
@@ -82,11 +82,10 @@ PREFETCH_LATENCY_BOUNDS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 
 @database_figures("control")
 def instance_figures(now):
-    yield gauge(
+    yield state_gauge(
         "kvsp_instances",
         "Instances per lifecycle state (6.3).",
-        ["state"],
-        (((state,), count) for state, count in selectors.instance_state_counts().items()),
+        selectors.instance_state_counts(),
     )
     shown = selectors.instances(now=now)
     figures = (
@@ -128,11 +127,10 @@ def instance_figures(now):
 
 @database_figures("control")
 def prefetch_figures(now):
-    yield gauge(
+    yield state_gauge(
         "kvsp_prefetch_directives",
         "Prefetch directives recorded (6.5), per state.",
-        ["state"],
-        (((state,), count) for state, count in selectors.directive_state_counts().items()),
+        selectors.directive_state_counts(),
     )
     histogram = HistogramMetricFamily(
         "kvsp_prefetch_latency_seconds",

@@ -9,15 +9,11 @@ import uuid
 import numpy as np
 from django.db import models
 
+from common.choices import choices_of
 from kvsp import states
 from kvsp.records import MAX_REQUEST_REF_LENGTH
 
-
-class InstanceState(models.TextChoices):
-    ACTIVE = states.InstanceState.ACTIVE.value
-    DRAINING = states.InstanceState.DRAINING.value
-    SLEEPING = states.InstanceState.SLEEPING.value
-    FAILED = states.InstanceState.FAILED.value
+InstanceState = choices_of(states.InstanceState)
 
 
 def serves(compat_id_hex: str, compat_ids, reported_compat_ids, *, engine: object) -> bool:
@@ -116,11 +112,7 @@ class StatusSample(models.Model):
         return f"{self.instance_id} at {self.at:%H:%M:%S}"
 
 
-class DirectiveState(models.TextChoices):
-    PENDING = states.DirectiveState.PENDING.value
-    PARTIAL = states.DirectiveState.PARTIAL.value
-    COMPLETE = states.DirectiveState.COMPLETE.value
-    FAILED = states.DirectiveState.FAILED.value
+DirectiveState = choices_of(states.DirectiveState)
 
 
 # Where a directive's block finds its sources in Directive.sources: uint32, little-endian.
@@ -256,12 +248,8 @@ class ShardMap(models.Model):
         return document
 
 
-class ReshardPhase(models.TextChoices):
-    """Transitions follow ``kvsp.states.RESHARD_PHASES``."""
-
-    PREPARING = states.ReshardPhase.PREPARING.value
-    COMMITTED = states.ReshardPhase.COMMITTED.value
-    ABORTED = states.ReshardPhase.ABORTED.value
+# Transitions follow ``kvsp.states.RESHARD_PHASES``.
+ReshardPhase = choices_of(states.ReshardPhase)
 
 
 class ReshardOperation(models.Model):

@@ -5,6 +5,7 @@ dashboard."""
 from django.contrib import admin
 from django.urls import reverse
 
+from common.admin import RowAdmin
 from sessions.models import OpenStream, OutputToken, Session
 
 
@@ -33,7 +34,7 @@ class FailedOverFilter(admin.SimpleListFilter):
 
 
 @admin.register(Session)
-class SessionAdmin(admin.ModelAdmin):
+class SessionAdmin(RowAdmin):
     list_display = (
         "session",
         "state",
@@ -52,15 +53,6 @@ class SessionAdmin(admin.ModelAdmin):
     date_hierarchy = "created_at"
     inlines = (OutputTokenInline,)
 
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in Session._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
     @admin.display(description="delivered")
     def progress(self, obj):
         if obj.final_length is None:
@@ -72,37 +64,19 @@ class SessionAdmin(admin.ModelAdmin):
 
 
 @admin.register(OutputToken)
-class OutputTokenAdmin(admin.ModelAdmin):
+class OutputTokenAdmin(RowAdmin):
     list_display = ("session", "index", "token", "epoch", "delivered_at")
     list_filter = ("epoch",)
     search_fields = ("session__session",)
     search_help_text = "A session id."
     list_select_related = ("session",)
 
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in OutputToken._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
 
 @admin.register(OpenStream)
-class OpenStreamAdmin(admin.ModelAdmin):
+class OpenStreamAdmin(RowAdmin):
     """Streams open now (and rows of stopped processes until they lapse), by principal."""
 
     list_display = ("session", "principal", "server", "opened_at", "expires_at")
     list_filter = ("server",)
     search_fields = ("session", "principal")
     search_help_text = "A session id or a principal's id."
-
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in OpenStream._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from common.metrics import database_figures, gauge
+from common.metrics import database_figures, gauge, state_gauge
 from kvsp.timeline import first_token_parts
 
 OUTPUT_TOKENS = Counter(
@@ -50,11 +50,8 @@ def observe_timeline(timings_us: dict) -> None:
 def session_figures(now):
     from sessions import selectors  # services import this module, selectors import services
 
-    yield gauge(
-        "kvsp_sessions",
-        "Sessions per state (6.8).",
-        ["state"],
-        (((state,), count) for state, count in selectors.session_state_counts().items()),
+    yield state_gauge(
+        "kvsp_sessions", "Sessions per state (6.8).", selectors.session_state_counts()
     )
     failovers = CounterMetricFamily(
         "kvsp_session_failovers", "Failovers: each raised a session's epoch and resumed it."

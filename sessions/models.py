@@ -4,16 +4,11 @@ from __future__ import annotations
 
 from django.db import models
 
+from common.choices import choices_of
 from kvsp import states
 
-
-class SessionState(models.TextChoices):
-    """Transitions follow ``kvsp.states.SESSION_STATES``."""
-
-    RUNNING = states.SessionState.RUNNING.value
-    RESUMING = states.SessionState.RESUMING.value
-    COMPLETED = states.SessionState.COMPLETED.value
-    FAILED = states.SessionState.FAILED.value
+# Transitions follow ``kvsp.states.SESSION_STATES``.
+SessionState = choices_of(states.SessionState)
 
 
 class Session(models.Model):

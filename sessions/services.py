@@ -303,12 +303,11 @@ def session_block_keys(session: Session) -> list[bytes]:
     descriptor = CompatDescriptor.objects.filter(compat_id=session.compat_id).first()
     if descriptor is None:
         return keys
-    chain = blockkeys.BlockKeyChain(
+    chain = blockkeys.BlockKeyChain.after(
         open_scope_key(scope.scope_id, scope.key_ciphertext),
         bytes(session.compat_id),
         descriptor.block_tokens,
-        previous=keys[-1] if keys else None,
-        count=len(keys),
+        keys,
     )
     keys += chain.extend(list(checkpoint.prompt_tail) + list(checkpoint.covered_generated))
     return keys

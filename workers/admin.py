@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
+from common.admin import ReadOnlyAdmin
 from workers.models import (
     Directive,
     Lease,
@@ -17,14 +18,6 @@ from workers.models import (
     ServedSession,
     StoredBlock,
 )
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(Node)

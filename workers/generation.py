@@ -480,13 +480,7 @@ class SessionRun:
             [(index, key) for index, key in enumerate(keys) if key not in prompt_served.held],
             (keys, prompt[len(keys) * block_tokens :]),
         )
-        self.chain = blockkeys.BlockKeyChain(
-            scope_key,
-            self.compat_id,
-            block_tokens,
-            previous=keys[-1] if keys else None,
-            count=len(keys),
-        )
+        self.chain = blockkeys.BlockKeyChain.after(scope_key, self.compat_id, block_tokens, keys)
         self.chain.extend(prompt[len(keys) * block_tokens :])
         self.sampler = _token_sampler(request.sampler.record())
         self.max_tokens = request.max_tokens
@@ -499,12 +493,8 @@ class SessionRun:
         scope_key = control_plane.scope_key(self.scope_id)
         prompt_keys = [bytes.fromhex(key) for key in checkpoint.prompt_blocks]
         after = list(checkpoint.prompt_tail) + list(checkpoint.covered_generated)
-        self.chain = blockkeys.BlockKeyChain(
-            scope_key,
-            self.compat_id,
-            block_tokens,
-            previous=prompt_keys[-1] if prompt_keys else None,
-            count=len(prompt_keys),
+        self.chain = blockkeys.BlockKeyChain.after(
+            scope_key, self.compat_id, block_tokens, prompt_keys
         )
         keys = prompt_keys + self.chain.extend(after)
         self.sequence, self.loaded_blocks, held = self._resume_prefix(keys, prompt_keys, after)

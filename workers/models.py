@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from common.choices import choices_of
 from kvsp import states
 
 
@@ -156,11 +157,7 @@ class Lease(models.Model):
         return [octets[i : i + 32].hex() for i in range(0, len(octets), 32)]
 
 
-class DirectiveState(models.TextChoices):
-    PENDING = states.DirectiveState.PENDING.value
-    PARTIAL = states.DirectiveState.PARTIAL.value
-    COMPLETE = states.DirectiveState.COMPLETE.value
-    FAILED = states.DirectiveState.FAILED.value
+DirectiveState = choices_of(states.DirectiveState)
 
 
 class Directive(models.Model):
@@ -244,14 +241,8 @@ class SessionKind(models.TextChoices):
     RESUME = "resume"  # POST sessions/{id}/resume from the PC (6.8)
 
 
-class ServedSessionState(models.TextChoices):
-    """Transitions follow ``kvsp.states.SERVED_SESSION_STATES``."""
-
-    ACCEPTED = states.ServedSessionState.ACCEPTED.value
-    RUNNING = states.ServedSessionState.RUNNING.value
-    COMPLETED = states.ServedSessionState.COMPLETED.value
-    SUPERSEDED = states.ServedSessionState.SUPERSEDED.value
-    FAILED = states.ServedSessionState.FAILED.value
+# Transitions follow ``kvsp.states.SERVED_SESSION_STATES``.
+ServedSessionState = choices_of(states.ServedSessionState)
 
 
 class ServedSession(models.Model):
@@ -313,12 +304,8 @@ class ServedSession(models.Model):
         return f"{self.session} epoch {self.epoch} at {self.instance} ({self.state})"
 
 
-class MovePhase(models.TextChoices):
-    """Transitions follow ``kvsp.states.RESHARD_PHASES``."""
-
-    PREPARING = states.ReshardPhase.PREPARING.value
-    COMMITTED = states.ReshardPhase.COMMITTED.value
-    ABORTED = states.ReshardPhase.ABORTED.value
+# Transitions follow ``kvsp.states.RESHARD_PHASES``.
+MovePhase = choices_of(states.ReshardPhase)
 
 
 class ReshardMove(models.Model):

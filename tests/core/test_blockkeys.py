@@ -260,6 +260,14 @@ def test_chain_continues_from_a_known_key():
     assert chain.count == 5
 
 
+def test_chain_after_keys_continues_them():
+    tokens = list(range(40))
+    keys = block_keys(SCOPE_KEY, COMPAT_ID, tokens, 8)
+    chain = BlockKeyChain.after(SCOPE_KEY, COMPAT_ID, 8, keys[:2])
+    assert chain.extend(tokens[16:]) == keys[2:]
+    assert BlockKeyChain.after(SCOPE_KEY, COMPAT_ID, 8, []).extend(tokens) == keys
+
+
 def test_chain_rejects_a_bad_extension_and_keeps_its_state():
     chain = BlockKeyChain(SCOPE_KEY, COMPAT_ID, 4)
     chain.extend([1, 2])

@@ -80,47 +80,19 @@ def test_requests_and_lookups_are_counted_by_endpoint_name(client, scene):
     assert client.get("/kvsp/instances/ii1").status_code == 401  # no token
     after = scrape(client)
 
-    assert (
-        after[("kvsp_http_requests_total", lookup)]
-        == before.get(("kvsp_http_requests_total", lookup), 0) + 1
-    )
+    def grew(name, labels):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    assert grew("kvsp_http_requests_total", lookup) == 1
     instance = (("endpoint", "instance"), ("method", "GET"), ("status", "401"))
-    assert (
-        after[("kvsp_http_requests_total", instance)]
-        - before.get(("kvsp_http_requests_total", instance), 0)
-        == 1
-    )
-    assert (
-        after[
-            (
-                "kvsp_http_request_duration_seconds_count",
-                (("endpoint", "lookup"), ("method", "POST")),
-            )
-        ]
-        >= 1
-    )
+    assert grew("kvsp_http_requests_total", instance) == 1
+    lookup_timed = (("endpoint", "lookup"), ("method", "POST"))
+    assert after[("kvsp_http_request_duration_seconds_count", lookup_timed)] >= 1
     source = (("source", "lookup"),)
-    assert (
-        after[("kvsp_lookup_block_keys_total", source)]
-        - before[("kvsp_lookup_block_keys_total", source)]
-        == 4
-    )
-    assert (
-        after[("kvsp_lookup_matched_blocks_total", source)]
-        - before[("kvsp_lookup_matched_blocks_total", source)]
-        == 3
-    )
-    ratio_75 = (("le", "0.75"), ("source", "lookup"))
-    ratio_50 = (("le", "0.5"), ("source", "lookup"))
-    assert (
-        after[("kvsp_lookup_matched_ratio_bucket", ratio_75)]
-        - before[("kvsp_lookup_matched_ratio_bucket", ratio_75)]
-        == 1
-    )
-    assert (
-        after[("kvsp_lookup_matched_ratio_bucket", ratio_50)]
-        == before[("kvsp_lookup_matched_ratio_bucket", ratio_50)]
-    )
+    assert grew("kvsp_lookup_block_keys_total", source) == 4
+    assert grew("kvsp_lookup_matched_blocks_total", source) == 3
+    assert grew("kvsp_lookup_matched_ratio_bucket", (("le", "0.75"), *source)) == 1
+    assert grew("kvsp_lookup_matched_ratio_bucket", (("le", "0.5"), *source)) == 0
     # Paths never become labels: an unmatched URL is one series whatever the path.
     client.get("/no/such/path/1")
     client.get("/no/such/path/2")

@@ -126,12 +126,9 @@ class Cluster:
 def start_all(processes: list[Process]) -> None:
     """Start every process first and then wait for each, so that they start side by side."""
     for process in processes:
-        Process.start(process)
+        process.launch()
     for process in processes:
-        if isinstance(process, Server):
-            process.wait_for(process._healthy, "answer on /healthz", timeout=90)
-        else:
-            process.wait_for(lambda p=process: " ready." in p.log(), "ready line", timeout=90)
+        process.wait_ready(timeout=90)
 
 
 @contextmanager

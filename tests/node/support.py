@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import select
 import socket
 import threading
@@ -156,6 +157,30 @@ def counted(node, name: str, by: str) -> dict[str, float]:
                 assert sample.labels["instance"] == node.name
                 found[sample.labels[by]] = sample.value
     return found
+
+
+def block_gets(base_url: str) -> int:
+    """Block GETs the node at ``base_url`` has answered, from its /metrics."""
+    text = httpx.get(base_url.replace("/kvsp/", "/metrics"), timeout=10).text
+    pattern = re.compile(r"^kvsp_http_requests_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
+    return int(
+        sum(
+            float(value)
+            for labels, value in pattern.findall(text)
+            if 'endpoint="block"' in labels and 'method="GET"' in labels
+        )
+    )
+
+
+def blocks_sent(node) -> dict[str, int]:
+    """Blocks the node has sent to clients, by the request that asked (a GET of one block, or a
+    batch), from its /metrics."""
+    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
+    pattern = re.compile(r'^kvsp_blocks_sent_total\{request="([a-z]+)"\} ([0-9.e+]+)$', re.M)
+    sent = {"get": 0, "batch": 0}
+    for request, value in pattern.findall(text):
+        sent[request] += int(float(value))
+    return sent
 
 
 def problem(response: httpx.Response) -> str:

@@ -44,10 +44,14 @@ def last_access(row: StoredBlock):
     return StoredBlock.objects.get(pk=row.pk).last_access
 
 
+@pytest.fixture(autouse=True)
+def on_the_node(settings):
+    settings.KVSP_INSTANCE = NODE
+
+
 # Outside a transaction, as a GET runs: the path of one statement for the read and the touch.
 @pytest.mark.django_db(transaction=True)
-def test_a_read_touches_the_block_once_a_second_and_answers_the_row_as_it_was(settings):
-    settings.KVSP_INSTANCE = NODE
+def test_a_read_touches_the_block_once_a_second_and_answers_the_row_as_it_was():
     an_hour_ago = timezone.now() - timedelta(hours=1)
     row = stored(an_hour_ago)
     reader = principal(IDS[1])
@@ -74,10 +78,9 @@ def test_a_read_touches_the_block_once_a_second_and_answers_the_row_as_it_was(se
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_read_on_a_connection_that_died_since_the_last_request_is_answered(settings):
+def test_a_read_on_a_connection_that_died_since_the_last_request_is_answered():
     """A GET skips Django's health check of the connection kept from the last request, and
     runs its statement again on a new connection when the kept one has died."""
-    settings.KVSP_INSTANCE = NODE
     row = stored(timezone.now() - timedelta(hours=1))
     reader = principal(IDS[1])
     assert selectors.read_block(reader, *IDS).pk == row.pk
@@ -97,7 +100,6 @@ def test_a_read_on_a_connection_that_died_since_the_last_request_is_answered(set
 
 @pytest.mark.django_db(transaction=True)
 def test_a_read_touches_a_block_last_used_longer_ago_than_the_configured_resolution(settings):
-    settings.KVSP_INSTANCE = NODE
     half_an_hour_ago = timezone.now() - timedelta(minutes=30)
     row = stored(half_an_hour_ago)
     reader = principal(IDS[1])
@@ -128,7 +130,6 @@ def test_a_block_get_at_the_holder_sends_its_token_once_then_one_statement(setti
     scope = make_scope("tenant-r")
     token = make_caller("reader", scopes=[scope]).token
     ids = (IDS[0], bytes(scope.scope_id), IDS[2])
-    settings.KVSP_INSTANCE = NODE
     settings.KVSP_SHM_DIR = tmp_path
     settings.KVSP_AUTH_CACHE_S = 3600.0
     data = container(1)

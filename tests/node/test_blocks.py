@@ -18,13 +18,14 @@ from tests.node.conftest import REPLICA_TTL_MS
 from tests.node.support import (
     BLOCK,
     assert_problems,
+    block_gets,
+    blocks_sent,
     container,
     layer_digests,
     problem,
     random_key,
     sha256,
 )
-from tests.node.test_resharding import block_gets, blocks_sent
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -215,7 +216,7 @@ def test_a_loaders_get_is_answered_exactly_as_a_negotiated_one_and_counted(clust
         (n1.api(None), block),
         (n1.api("kvsp_not-a-token"), block),
     ]
-    gets = block_gets(n1)
+    gets = block_gets(n1.url)
     answers = []
     for api, path in cases:
         lean, negotiated = api.get(path), api.get(path, headers=NEGOTIATED)
@@ -230,7 +231,7 @@ def test_a_loaders_get_is_answered_exactly_as_a_negotiated_one_and_counted(clust
     assert "x-frame-options" not in answers[0][1]  # a node serves no pages to frame
     assert answers[0][1]["x-content-type-options"] == "nosniff"
     # Every GET is counted at /metrics, whichever path answered it (HEADs apart).
-    assert block_gets(n1) - gets == 2 * len(cases)
+    assert block_gets(n1.url) - gets == 2 * len(cases)
 
 
 def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
@@ -238,6 +239,7 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
     files_before = n1.host_files()
     api = n1.api(cluster.tokens["reader_a"])
     key = random_key()
+    put = partial(api.put_block, cluster.compat, cluster.scope_a, key)
     data = container(7)
     truncated = data[:-100]
     first_layer_1 = data[:8] + (1).to_bytes(4, "big") + data[12:]
@@ -263,66 +265,26 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
             "kvsp-precondition-failed",
         ),
         (
-            api.put_block(
-                cluster.compat, cluster.scope_a, key, data, **{"Content-Type": "application/json"}
-            ),
+            put(data, **{"Content-Type": "application/json"}),
             415,
             "kvsp-unsupported-media-type",
         ),
-        (api.put_block(cluster.compat, cluster.scope_a, key, b""), 411, "kvsp-malformed-request"),
+        (put(b""), 411, "kvsp-malformed-request"),
+        (put(truncated), 422, "kvsp-invalid-container"),
+        (put(first_layer_1), 422, "kvsp-invalid-container"),
+        (put(wrong_tokens), 422, "kvsp-invalid-container"),
         (
-            api.put_block(cluster.compat, cluster.scope_a, key, truncated),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, first_layer_1),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, wrong_tokens),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(
-                cluster.compat,
-                cluster.scope_a,
-                key,
-                data,
-                **{"Repr-Digest": repr_digest_header(sha256(b"other"))},
-            ),
+            put(data, **{"Repr-Digest": repr_digest_header(sha256(b"other"))}),
             422,
             "kvsp-digest-mismatch",
         ),
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, data, **{"Repr-Digest": "sha"}),
-            400,
-            "kvsp-malformed-request",
-        ),
+        (put(data, **{"Repr-Digest": "sha"}), 400, "kvsp-malformed-request"),
         # Without a Repr-Digest the body is still checked as a container.
-        (
-            api.put_block(cluster.compat, cluster.scope_a, key, truncated, **{"Repr-Digest": None}),
-            422,
-            "kvsp-invalid-container",
-        ),
-        (
-            api.put_block(
-                cluster.compat, cluster.scope_a, key, wrong_tokens, **{"Repr-Digest": None}
-            ),
-            422,
-            "kvsp-invalid-container",
-        ),
+        (put(truncated, **{"Repr-Digest": None}), 422, "kvsp-invalid-container"),
+        (put(wrong_tokens, **{"Repr-Digest": None}), 422, "kvsp-invalid-container"),
         # Flipped in transit: the sender's Repr-Digest no longer matches.
         (
-            api.put_block(
-                cluster.compat,
-                cluster.scope_a,
-                key,
-                flipped,
-                **{"Repr-Digest": repr_digest_header(sha256(data))},
-            ),
+            put(flipped, **{"Repr-Digest": repr_digest_header(sha256(data))}),
             422,
             "kvsp-digest-mismatch",
         ),
@@ -330,13 +292,7 @@ def test_put_needs_the_scope_and_leaves_nothing_behind_when_refused(cluster):
     assert_problems(cases)
     assert api.get_block(cluster.compat, cluster.scope_a, key).status_code == 404
     assert n1.host_files() == files_before
-    stored = api.put_block(
-        cluster.compat,
-        cluster.scope_a,
-        key,
-        data,
-        **{"Repr-Digest": repr_digest_header(sha256(data))},
-    )
+    stored = put(data, **{"Repr-Digest": repr_digest_header(sha256(data))})
     assert stored.status_code == 201
 
 

@@ -15,6 +15,7 @@ import pytest
 from kvsp.problems import problem_document
 from tests.node.support import (
     assert_problems,
+    blocks_sent,
     container,
     counted,
     directive_body,
@@ -25,7 +26,6 @@ from tests.node.support import (
     sha256,
     store,
 )
-from tests.node.test_resharding import blocks_sent
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db

@@ -13,16 +13,15 @@ controller's worker killed between prepare and commit.
 from __future__ import annotations
 
 import os
-import re
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-import httpx
 import pytest
 import torch
 
 from tests.node.conftest import Node, extra_node, start_all
-from tests.node.support import container, problem, random_key
+from tests.node.support import blocks_sent, container, problem, random_key
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -177,38 +176,16 @@ def noise_blocks(count: int) -> tuple[list[str], list[bytes]]:
     )
 
 
-def block_gets(node: Node) -> int:
-    """Block GETs the node has answered, from its /metrics."""
-    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
-    pattern = re.compile(r"^kvsp_http_requests_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
-    return int(
-        sum(
-            float(value)
-            for labels, value in pattern.findall(text)
-            if 'endpoint="block"' in labels and 'method="GET"' in labels
-        )
-    )
-
-
-def blocks_sent(node: Node) -> dict[str, int]:
-    """Blocks the node has sent to clients, by the request that asked (a GET of one block, or a
-    batch), from its /metrics."""
-    text = httpx.get(node.url.replace("/kvsp/", "/metrics"), timeout=10).text
-    pattern = re.compile(r'^kvsp_blocks_sent_total\{request="([a-z]+)"\} ([0-9.e+]+)$', re.M)
-    sent = {"get": 0, "batch": 0}
-    for request, value in pattern.findall(text):
-        sent[request] += int(float(value))
-    return sent
-
-
-def pause(node: Node) -> None:
+@contextmanager
+def paused(node: Node):
+    """The node's processes stopped (SIGSTOP) for the block, continued (SIGCONT) after it."""
     for process in (node.worker, node.server):
         process.signal(signal.SIGSTOP)
-
-
-def resume(node: Node) -> None:
-    for process in (node.worker, node.server):
-        process.signal(signal.SIGCONT)
+    try:
+        yield
+    finally:
+        for process in (node.worker, node.server):
+            process.signal(signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -383,8 +360,7 @@ def test_a_member_that_never_acknowledges_aborts_and_what_it_fetched_is_discarde
     discards the blocks it had fetched from a; nothing is released."""
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
     name, keys = sharding.halves("stopped")
-    pause(b)
-    try:
+    with paused(b):
         sharding.reshard(name, (0, 4, a), (4, 12, c), (12, 16, b), deadline_ms=3000)
         wait_until(
             lambda: (move := sharding.move(c, name)) is not None and move.phase == "aborted",
@@ -401,8 +377,6 @@ def test_a_member_that_never_acknowledges_aborts_and_what_it_fetched_is_discarde
             assert sharding.holders(key) == {a.url}
         wait_until(lambda: sharding.move(a, name).phase == "aborted", "a told to abort")
         assert set(sharding.rows(a, keys)) == set(keys[:8])  # nothing released
-    finally:
-        resume(b)
     operation = sharding.finished(name)
     assert sharding.move(b, name).phase == "aborted"
     assert set(sharding.rows(b, keys)) == set(keys[8:])
@@ -438,8 +412,7 @@ def test_a_member_killed_after_acknowledging_applies_the_commit_after_its_restar
     fetched."""
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
     name, keys = sharding.halves("killed")
-    pause(b)
-    try:
+    with paused(b):
         sharding.reshard(name, (0, 4, a), (4, 8, c), (8, 16, b), deadline_ms=30_000)
         wait_until(
             lambda: {a.url, c.url} <= set(sharding.operation(name)["acknowledged"]),
@@ -447,8 +420,6 @@ def test_a_member_killed_after_acknowledging_applies_the_commit_after_its_restar
         )
         c.worker.kill()
         c.server.kill()
-    finally:
-        resume(b)
     wait_until(lambda: sharding.operation(name)["state"] == "committed", "committed")
     wait_until(lambda: sharding.move(a, name).released_blocks == 4, "a released its four")
     pending = sharding.rows(c, keys[4:8])
@@ -477,16 +448,13 @@ def test_a_pc_restart_between_prepare_and_commit_is_finished_by_resume_reshards(
     a, b, c = (sharding.node(key) for key in ("r1", "r2", "r3"))
     name, keys = sharding.halves("pc-restart")
     worker = sharding.cluster.control_worker
-    pause(b)
-    try:
+    with paused(b):
         sharding.reshard(name, (0, 4, a), (4, 8, c), (8, 16, b), deadline_ms=30_000)
         wait_until(
             lambda: {a.url, c.url} <= set(sharding.operation(name)["acknowledged"]),
             "a and c acknowledged",
         )
         worker.kill()
-    finally:
-        resume(b)
     try:
         assert sharding.operation(name)["state"] == "preparing"
         assert sharding.rows(a, keys[4:8]).keys() == set(keys[4:8])  # nothing released yet

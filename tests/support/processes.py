@@ -30,12 +30,9 @@ class Redis(Process):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "Redis":
-        super().start()
-        self.wait_for(self._answers, "answer to PING")
-        return self
+    ready_sign = "answer to PING"
 
-    def _answers(self) -> bool:
+    def ready(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as connection:
                 connection.sendall(b"PING\r\n")
