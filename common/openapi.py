@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 
-from kvsp import compat
 from kvsp.records import (
     MAX_URL_LENGTH,
     BlockBatchRequest,
+    CompatibilityDescriptor,
     DirectiveStatusRecord,
     GenerateRequest,
     InstanceStatusRecord,
@@ -46,7 +46,6 @@ from kvsp.records import (
     TokenIntrospectionRequest,
     TokenRequest,
 )
-from kvsp.registries import ELEMENT_TYPES, LAYOUTS
 from kvsp.sharding import MAX_DEADLINE_MS
 
 JSON_TYPES = ("application/kvsp+json", "application/json")
@@ -72,6 +71,7 @@ _ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
 
 # The records whose schemas are generated from their types; the structs they nest come along.
 RECORD_TYPES = (
+    CompatibilityDescriptor,
     ReplicaRecord,
     LookupRequest,
     InstanceStatusRecord,
@@ -149,33 +149,6 @@ def _without_null_choice(choices: list[dict], schema: dict) -> dict:
     return _nullable(schema) if nullable else schema
 
 
-def _descriptor_schema() -> dict:
-    """The Compatibility Descriptor (4.1) from the tables ``kvsp.compat`` validates it with: a
-    closed object (its members are what the Compatibility ID hashes), null never absent."""
-    digest = {"type": "string", "pattern": f"^{compat.DIGEST_PREFIX}[0-9a-f]{{64}}$"}
-    counts = {
-        name: {"type": "integer", "minimum": 1, "maximum": most}
-        for name, most in compat.INTEGER_MAXIMA.items()
-    }
-    properties = {
-        "model": {"type": "string", "minLength": 1},
-        "model_digest": digest,
-        "tokenizer_digest": digest,
-        "adapters": {"type": "array", "minItems": 1, "items": digest},
-        **counts,
-        "kv_dtype": {"type": "string", "enum": list(ELEMENT_TYPES)},
-        "positional": {"type": "string"},
-        "layout": {"type": "string", "enum": list(LAYOUTS)},
-    }
-    members = (*compat.REQUIRED_MEMBERS, *compat.OPTIONAL_MEMBERS)
-    return {
-        "type": "object",
-        "properties": {name: properties[name] for name in members},
-        "required": list(compat.REQUIRED_MEMBERS),
-        "additionalProperties": False,
-    }
-
-
 def _nullable(schema: dict) -> dict:
     # An enum lists every value allowed, null included, even beside "nullable".
     if "enum" in schema and None not in schema["enum"]:
@@ -208,7 +181,6 @@ _PROBLEM = _object(
 
 SCHEMAS = {
     "Problem": _PROBLEM,
-    "CompatibilityDescriptor": _descriptor_schema(),
     "Replicas": _object(
         {"block_key": _hex(32), "replicas": {"type": "array", "items": _ref("ReplicaRecord")}},
         ["block_key", "replicas"],

@@ -3,14 +3,9 @@
     compat_id = SHA-256( "KVSP-COMPAT-1" || 0x00 || JCS(descriptor) )
 
 Two caches may substitute for each other only when their Compatibility IDs are equal, so a
-descriptor is validated against every MUST of 4.1 before it is hashed, and the id is always
-computed here from the descriptor rather than taken from a peer.
-
-Unknown members are rejected. The "ignore unknown members" rule of spec 4.4 covers the records of
-4.4, not the descriptor of 4.1, and neither way of ignoring one is safe here: dropping it before
-hashing would give one id to caches that differ in whatever the member describes (breaking the
-MUST NOT of 4.1), and hashing it unread would let a misspelled optional member (``"adapter"``)
-pass silently while changing the id. A later revision that adds a member extends this list.
+descriptor is validated against every MUST of 4.1 before it is hashed (its members and their
+rules are ``kvsp.records.CompatibilityDescriptor``), and the id is always computed here from the
+descriptor rather than taken from a peer.
 
 ``descriptor_from_model_dir`` builds a descriptor from a Hugging Face style model directory:
 geometry, dtype and rotary parameters from ``config.json``, ``model_digest`` over the
@@ -23,135 +18,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
 import rfc8785
 
+from kvsp.container import DIGEST_PREFIX
 from kvsp.hexids import parse_hex32
 from kvsp.problems import ProtocolError
-from kvsp.registries import (
-    ELEMENT_TYPES,
-    LAYOUT_1,
-    format_positional,
-    lookup_element_type,
-    lookup_layout,
-    parse_positional,
-)
+from kvsp.records import CompatibilityDescriptor
+from kvsp.registries import ELEMENT_TYPES, LAYOUT_1, format_positional
 
 COMPAT_TAG = b"KVSP-COMPAT-1\x00"
-DIGEST_PREFIX = "sha-256:"
-
-# Member order of 4.1; the JCS form sorts members anyway, this only orders the returned dict.
-REQUIRED_MEMBERS = (
-    "model",
-    "model_digest",
-    "tokenizer_digest",
-    "layers",
-    "kv_heads",
-    "head_dim",
-    "kv_dtype",
-    "positional",
-    "block_tokens",
-    "layout",
-)
-OPTIONAL_MEMBERS = ("adapters",)
-
-# Layers and block tokens are 32-bit counts in the KV Block Container (4.3); the other integers
-# stay within I-JSON's exact range, which JCS requires (RFC 8785 section 3.1).
-INTEGER_MAXIMA = {
-    "layers": 2**32 - 1,
-    "kv_heads": 2**53 - 1,
-    "head_dim": 2**53 - 1,
-    "block_tokens": 2**32 - 1,
-}
-
-_DIGEST = re.compile(r"sha-256:[0-9a-f]{64}")
 _CHUNK_OCTETS = 1 << 20
-
-_JSON_TYPES = {
-    str: "a string",
-    int: "an integer",
-    float: "a number with a fraction or exponent",
-    bool: "a boolean",
-    type(None): "null",
-    list: "an array",
-    tuple: "an array",
-    dict: "an object",
-}
-
-
-def _json_type(value: object) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 def _invalid(detail: str) -> ProtocolError:
     return ProtocolError("kvsp-invalid-record", detail)
 
 
-def _check_digest(value: object, what: str) -> str:
-    if not isinstance(value, str) or _DIGEST.fullmatch(value) is None:
-        raise _invalid(f"{what} must be 'sha-256:' followed by 64 lowercase hex digits")
-    return value
-
-
-def _check_integer(value: object, what: str) -> int:
-    if type(value) is not int:
-        raise _invalid(f"{what} must be an integer, not {_json_type(value)}")
-    if not 1 <= value <= INTEGER_MAXIMA[what]:
-        raise _invalid(f"{what} must be in 1..{INTEGER_MAXIMA[what]}, got {value}")
-    return value
-
-
 def validate_descriptor(obj: object) -> dict:
     """A fresh copy of a Compatibility Descriptor that meets every MUST of spec 4.1.
 
-    Raises ProtocolError ``kvsp-invalid-record`` naming the first member that is wrong.
+    Raises ``InvalidRecord`` (``kvsp-invalid-record``) naming the first member that is wrong and
+    the rule it breaks, or every member missing or not defined by 4.1.
     """
-    if not isinstance(obj, Mapping):
-        raise _invalid(f"a Compatibility Descriptor must be a JSON object, not {_json_type(obj)}")
-    unknown = [key for key in obj if key not in REQUIRED_MEMBERS and key not in OPTIONAL_MEMBERS]
-    if unknown:
-        listed = ", ".join(repr(key) for key in sorted(unknown, key=repr))
-        raise _invalid(f"the descriptor has members that spec 4.1 does not define: {listed}")
-    missing = [key for key in REQUIRED_MEMBERS if key not in obj]
-    if missing:
-        raise _invalid(f"the descriptor lacks required members: {', '.join(missing)}")
-
-    model = obj["model"]
-    if not isinstance(model, str) or not model:
-        raise _invalid("model must be a non-empty string")
-    try:
-        model.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _invalid("model must be valid Unicode (it holds a lone surrogate)") from None
-
-    descriptor: dict = {
-        "model": model,
-        "model_digest": _check_digest(obj["model_digest"], "model_digest"),
-        "tokenizer_digest": _check_digest(obj["tokenizer_digest"], "tokenizer_digest"),
-    }
-    if "adapters" in obj:
-        adapters = obj["adapters"]
-        if not isinstance(adapters, list | tuple):
-            raise _invalid(f"adapters must be an array, not {_json_type(adapters)}")
-        if not adapters:
-            raise _invalid(
-                "adapters must be absent when no adapter is applied; an empty array is not allowed"
-            )
-        descriptor["adapters"] = [
-            _check_digest(adapter, f"adapters[{index}]") for index, adapter in enumerate(adapters)
-        ]
-    for member in ("layers", "kv_heads", "head_dim"):
-        descriptor[member] = _check_integer(obj[member], member)
-    descriptor["kv_dtype"] = lookup_element_type(obj["kv_dtype"]).name
-    positional = obj["positional"]
-    parse_positional(positional)
-    descriptor["positional"] = positional
-    descriptor["block_tokens"] = _check_integer(obj["block_tokens"], "block_tokens")
-    descriptor["layout"] = lookup_layout(obj["layout"]).name
-    return descriptor
+    return CompatibilityDescriptor.from_json(obj).to_json()
 
 
 def canonical_form(descriptor: object) -> bytes:

@@ -1,8 +1,8 @@
-"""The JSON records of KVSP: spec 4.4 (Replica Record, Instance Status Record, Session
-Checkpoint), 6.2 (lookup request), 6.4 (placement request), 6.5 (prefetch directive and its
-state), 6.6 (leases), 6.8 (resume request) and 6.9 (shard map and reshard messages), in the
-shapes DESIGN.md section 3 fixes where the spec leaves them open; the node's generate request;
-and the delegated token messages of DESIGN.md section 6.
+"""The JSON records of KVSP: spec 4.1 (Compatibility Descriptor), 4.4 (Replica Record, Instance
+Status Record, Session Checkpoint), 6.2 (lookup request), 6.4 (placement request), 6.5 (prefetch
+directive and its state), 6.6 (leases), 6.8 (resume request) and 6.9 (shard map and reshard
+messages), in the shapes DESIGN.md section 3 fixes where the spec leaves them open; the node's
+generate request; and the delegated token messages of DESIGN.md section 6.
 
 Every record is defined once, as a frozen ``msgspec`` struct (``WireRecord``): the bounds of
 each member are in its type and checked, in C, as a record is decoded; the rules that span
@@ -10,7 +10,8 @@ members or need more than a bound are in ``__post_init__``, checked also when co
 record. The OpenAPI description is generated from the same types (``common.openapi``).
 ``from_json(obj)`` turns a decoded JSON value into a record: it bounds every array by ``Limits``
 before it does per-entry work, ignores unknown members (4.4: "Unknown members MUST be
-ignored"), and raises ``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record``
+ignored"; the descriptor of 4.1 refuses them, for the reason ``CompatibilityDescriptor`` gives),
+and raises ``InvalidRecord``, a ``ProtocolError`` of type ``kvsp-invalid-record``
 whose detail starts with the path of the offending member, e.g. ``residency[1].layers: overlaps
 residency[0].layers``. ``record.to_json()`` is the record as a JSON-ready dict, and
 ``from_json(r.to_json()) == r``.
@@ -51,6 +52,13 @@ import msgspec.structs
 from kvsp.container import DIGEST_PREFIX, joined_replica_digest
 from kvsp.hexids import is_hex, parse_uuid
 from kvsp.problems import ProtocolError
+from kvsp.registries import (
+    ELEMENT_TYPES,
+    LAYOUTS,
+    lookup_element_type,
+    lookup_layout,
+    parse_positional,
+)
 from kvsp.states import (
     FIRST_SESSION_EPOCH,
     REQUESTABLE_INSTANCE_STATES,
@@ -779,6 +787,85 @@ def _lower_hex(value: str) -> bytes | None:
         return None
     # fromhex also takes upper case and spaces; what hex() gives back is neither.
     return octets if octets.hex() == value else None
+
+
+# --- Compatibility Descriptor (4.1) ---------------------------------------------------------
+
+# Layers and block tokens are 32-bit counts in the KV Block Container (4.3).
+_Count32 = Annotated[int, _rule(f"must be an integer from 1 to {UINT32_MAX}", ge=1, le=UINT32_MAX)]
+
+
+class CompatibilityDescriptor(WireRecord, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a KV cache was computed under (4.1): its JCS form is what the Compatibility ID
+    hashes, so it is validated against every MUST of 4.1 first.
+
+    Unknown members are refused. The "ignore unknown members" rule of spec 4.4 covers the records
+    of 4.4, not the descriptor of 4.1, and neither way of ignoring one is safe here: dropping it
+    before hashing would give one id to caches that differ in whatever the member describes
+    (breaking the MUST NOT of 4.1), and hashing it unread would let a misspelled optional member
+    (``"adapter"``) pass silently while changing the id. A later revision that adds a member adds
+    a field here. For the same reason a null member is refused rather than taken as absent:
+    ``adapters`` is absent when no adapter is applied, never null or empty.
+    """
+
+    NAME: ClassVar[str] = "Compatibility Descriptor"
+
+    model: Annotated[str, _rule("must be a non-empty string", min_length=1)]
+    model_digest: Digest
+    tokenizer_digest: Digest
+    adapters: (
+        Annotated[
+            tuple[Digest, ...],
+            _rule(
+                "must be absent when no adapter is applied, else a non-empty array of adapter "
+                "digests",
+                min_length=1,
+            ),
+        ]
+        | msgspec.UnsetType
+    ) = msgspec.UNSET
+    layers: _Count32
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    kv_dtype: Annotated[
+        str,
+        _rule("must name an entry of the KVSP Element Types registry", {"enum": [*ELEMENT_TYPES]}),
+    ]
+    positional: Annotated[
+        str, _rule("must be a string: a registered positional encoding, parameters after ';'")
+    ]
+    block_tokens: _Count32
+    layout: Annotated[str, _rule("must name a registered layout", {"enum": [*LAYOUTS]})]
+
+    @classmethod
+    def from_json(cls, obj: object, limits: Limits = DEFAULT_LIMITS) -> Self:
+        """The descriptor ``obj`` holds; the members it lacks, and those 4.1 does not define, are
+        named all at once (msgspec names only the first)."""
+        if isinstance(obj, dict):
+            fields = msgspec.structs.fields(cls)
+            unknown = [key for key in obj if key not in {f.encode_name for f in fields}]
+            if unknown:
+                listed = ", ".join(repr(key) for key in sorted(unknown, key=repr))
+                _fail((), f"the descriptor has members that spec 4.1 does not define: {listed}")
+            missing = [f.encode_name for f in fields if f.required and f.encode_name not in obj]
+            if missing:
+                _fail((), f"the descriptor lacks required members: {', '.join(missing)}")
+        return _decode(cls, obj)
+
+    @_rules
+    def __post_init__(self) -> None:
+        try:
+            self.model.encode("utf-8")
+        except UnicodeEncodeError:
+            _fail(("model",), "must be valid Unicode (it holds a lone surrogate)")
+        _check_digest(self.model_digest, ("model_digest",))
+        _check_digest(self.tokenizer_digest, ("tokenizer_digest",))
+        if self.adapters is not msgspec.UNSET:
+            _check_each(self.adapters, ("adapters",), _check_digest)
+        # The registries' own refusals name the member, the value and what is registered.
+        lookup_element_type(self.kv_dtype)
+        parse_positional(self.positional)
+        lookup_layout(self.layout)
 
 
 # --- Replica Record (4.4) ---------------------------------------------------------------------

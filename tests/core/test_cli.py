@@ -169,7 +169,8 @@ def test_descriptor_bad_input_gives_one_line(model_dir):
     missing = descriptor("/nonexistent", "--model", "m", "--block-tokens", "32")
     assert "is not a directory" in missing
     line = descriptor(str(model_dir), "--model", "m", "--block-tokens", "0")
-    assert line.startswith("kvsp descriptor: ") and "block_tokens must be in 1.." in line
+    assert line.startswith("kvsp descriptor: ")
+    assert "block_tokens: must be an integer from 1 to" in line
     line = descriptor(str(model_dir), "--model", "m", "--block-tokens", "32", "--kv-dtype", "int8")
     assert "'int8' is not in the KVSP Element Types registry" in line
     (model_dir / "tokenizer.json").unlink()
@@ -212,7 +213,7 @@ def block_keys_args(*, key=KEY.hex(), compat=COMPAT.hex(), size="4", file="-"):
         (("compat-id", "-"), b'{"a": 1, "a": 2}', "JSON member 'a' appears twice"),
         (("compat-id", "-"), b"[" * 50_000, "nested too deeply"),
         # descriptor content
-        (("compat-id", "-"), b"[]", "must be a JSON object, not an array"),
+        (("compat-id", "-"), b"[]", "a Compatibility Descriptor must be a JSON object"),
         (
             ("compat-id", "-"),
             json.dumps({**DESCRIPTOR, "kv_dtype": "int8"}).encode(),

@@ -25,27 +25,11 @@ from kvsp.compat import (
     weights_digest,
 )
 from kvsp.problems import ProtocolError
+from tests.support.descriptors import descriptor as make_descriptor
 
 
 def sha(text: str) -> str:
     return "sha-256:" + hashlib.sha256(text.encode()).hexdigest()
-
-
-def make_descriptor(**changes) -> dict:
-    descriptor = {
-        "model": "example/llama-3-8b-instruct",
-        "model_digest": sha("weights"),
-        "tokenizer_digest": sha("tokenizer"),
-        "layers": 32,
-        "kv_heads": 8,
-        "head_dim": 128,
-        "kv_dtype": "bfloat16",
-        "positional": "rope;theta=500000",
-        "block_tokens": 16,
-        "layout": "kvsp-layout-1",
-    }
-    descriptor.update(changes)
-    return descriptor
 
 
 # -- RFC 8785 through the rfc8785 package --------------------------------------------------------
@@ -168,44 +152,49 @@ def test_accepts(changes):
     validate_descriptor(make_descriptor(**changes))
 
 
+_DIGEST_RULE = '{}: must be "sha-256:" followed by 64 lowercase hex digits'
+_ADAPTERS_RULE = "adapters: must be absent when no adapter is applied, else a non-empty array"
+
+
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
-        ({"model": ""}, "model must be a non-empty string"),
-        ({"model": 7}, "model must be a non-empty string"),
-        ({"model": None}, "model must be a non-empty string"),
-        ({"model": "a\ud800b"}, "lone surrogate"),
-        ({"model_digest": "sha-256:" + "A" * 64}, "model_digest must be 'sha-256:'"),
-        ({"model_digest": "sha-256:" + "a" * 63}, "model_digest must be 'sha-256:'"),
-        ({"model_digest": "sha256:" + "a" * 64}, "model_digest must be 'sha-256:'"),
-        ({"model_digest": "SHA-256:" + "a" * 64}, "model_digest must be 'sha-256:'"),
-        ({"model_digest": "a" * 64}, "model_digest must be 'sha-256:'"),
-        ({"model_digest": "sha-256:" + "a" * 64 + "\n"}, "model_digest must be 'sha-256:'"),
-        ({"tokenizer_digest": None}, "tokenizer_digest must be 'sha-256:'"),
-        ({"adapters": []}, "an empty array is not allowed"),
-        ({"adapters": sha("a1")}, "adapters must be an array, not a string"),
-        ({"adapters": None}, "adapters must be an array, not null"),
-        ({"adapters": [sha("a1"), "sha-256:xyz"]}, "adapters[1] must be 'sha-256:'"),
-        ({"layers": 0}, "layers must be in 1..4294967295"),
-        ({"layers": -3}, "layers must be in 1..4294967295"),
-        ({"layers": 2**32}, "layers must be in 1..4294967295"),
-        ({"layers": True}, "layers must be an integer, not a boolean"),
-        ({"layers": 32.0}, "layers must be an integer, not a number with a fraction"),
-        ({"layers": "32"}, "layers must be an integer, not a string"),
-        ({"kv_heads": False}, "kv_heads must be an integer, not a boolean"),
-        ({"kv_heads": 2**53}, "kv_heads must be in 1..9007199254740991"),
-        ({"head_dim": 0}, "head_dim must be in 1.."),
-        ({"head_dim": None}, "head_dim must be an integer, not null"),
-        ({"block_tokens": 0}, "block_tokens must be in 1..4294967295"),
-        ({"block_tokens": [16]}, "block_tokens must be an integer, not an array"),
-        ({"kv_dtype": "float64"}, "not in the KVSP Element Types registry"),
-        ({"kv_dtype": "BFLOAT16"}, "not in the KVSP Element Types registry"),
+        ({"model": ""}, "model: must be a non-empty string"),
+        ({"model": 7}, "model: must be a non-empty string"),
+        ({"model": None}, "model: must be a non-empty string"),
+        ({"model": "a\ud800b"}, "model: must be valid Unicode (it holds a lone surrogate)"),
+        ({"model_digest": "sha-256:" + "A" * 64}, _DIGEST_RULE.format("model_digest")),
+        ({"model_digest": "sha-256:" + "a" * 63}, _DIGEST_RULE.format("model_digest")),
+        ({"model_digest": "sha256:" + "a" * 64}, _DIGEST_RULE.format("model_digest")),
+        ({"model_digest": "SHA-256:" + "a" * 64}, _DIGEST_RULE.format("model_digest")),
+        ({"model_digest": "a" * 64}, _DIGEST_RULE.format("model_digest")),
+        ({"model_digest": "sha-256:" + "a" * 64 + "\n"}, _DIGEST_RULE.format("model_digest")),
+        ({"tokenizer_digest": None}, _DIGEST_RULE.format("tokenizer_digest")),
+        ({"adapters": []}, _ADAPTERS_RULE),
+        ({"adapters": sha("a1")}, _ADAPTERS_RULE),
+        ({"adapters": None}, _ADAPTERS_RULE),
+        ({"adapters": [sha("a1"), "sha-256:xyz"]}, _DIGEST_RULE.format("adapters[1]")),
+        ({"layers": 0}, "layers: must be an integer from 1 to 4294967295"),
+        ({"layers": -3}, "layers: must be an integer from 1 to 4294967295"),
+        ({"layers": 2**32}, "layers: must be an integer from 1 to 4294967295"),
+        ({"layers": True}, "layers: must be an integer from 1 to 4294967295"),
+        ({"layers": 32.0}, "layers: must be an integer from 1 to 4294967295"),
+        ({"layers": "32"}, "layers: must be an integer from 1 to 4294967295"),
+        ({"kv_heads": False}, "kv_heads: must be an integer from 1 to 9007199254740991"),
+        ({"kv_heads": 2**53}, "kv_heads: must be an integer from 1 to 9007199254740991"),
+        ({"head_dim": 0}, "head_dim: must be an integer from 1 to 9007199254740991"),
+        ({"head_dim": None}, "head_dim: must be an integer from 1 to 9007199254740991"),
+        ({"block_tokens": 0}, "block_tokens: must be an integer from 1 to 4294967295"),
+        ({"block_tokens": [16]}, "block_tokens: must be an integer from 1 to 4294967295"),
+        ({"kv_dtype": "float64"}, "kv_dtype 'float64' is not in the KVSP Element Types registry"),
+        ({"kv_dtype": "BFLOAT16"}, "kv_dtype 'BFLOAT16' is not in the KVSP Element Types"),
         ({"positional": "rotary"}, "not in the KVSP Positional Encodings registry"),
         ({"positional": "rope;theta=5e5"}, "write theta=500000"),
         ({"positional": "alibi;theta=1"}, "alibi takes no parameters"),
-        ({"positional": 10000}, "positional must be a string"),
+        ({"positional": 10000}, "positional: must be a string"),
         ({"layout": "kvsp-layout-2"}, "layout 'kvsp-layout-2' is not registered"),
-        ({"layout": None}, "layout None is not registered"),
+        ({"kv_dtype": 7}, "kv_dtype: must name an entry of the KVSP Element Types registry"),
+        ({"layout": None}, "layout: must name a registered layout"),
     ],
 )
 def test_rejects(changes, reason):
@@ -274,11 +263,11 @@ def test_compat_id_is_sha256_of_tag_zero_and_jcs():
     # JCS of this descriptor written out: members in UTF-16 order, no whitespace.
     jcs = "".join(
         [
-            f'{{"adapters":["{sha("a1")}"],"block_tokens":16,"head_dim":128,',
-            '"kv_dtype":"bfloat16","kv_heads":8,"layers":32,"layout":"kvsp-layout-1",',
-            '"model":"example/llama-3-8b-instruct",',
-            f'"model_digest":"{sha("weights")}","positional":"rope;theta=500000",',
-            f'"tokenizer_digest":"{sha("tokenizer")}"}}',
+            f'{{"adapters":["{sha("a1")}"],"block_tokens":16,"head_dim":16,',
+            '"kv_dtype":"float16","kv_heads":2,"layers":4,"layout":"kvsp-layout-1",',
+            '"model":"test-llama",',
+            f'"model_digest":"sha-256:{"1" * 64}","positional":"rope;theta=10000",',
+            f'"tokenizer_digest":"sha-256:{"2" * 64}"}}',
         ]
     )
     assert canonical_form(descriptor) == jcs.encode()
@@ -304,8 +293,8 @@ def test_every_member_changes_the_id():
         {"layers": 33},
         {"kv_heads": 4},
         {"head_dim": 64},
-        {"kv_dtype": "float16"},
-        {"positional": "rope;theta=10000"},
+        {"kv_dtype": "bfloat16"},
+        {"positional": "rope;theta=500000"},
         {"block_tokens": 32},
     ]
     ids = {compat_id(make_descriptor(**changes)) for changes in variants}
@@ -319,7 +308,7 @@ def test_adapter_order_matters():
 
 
 def test_compat_id_validates_first():
-    with pytest.raises(ProtocolError, match="adapters must be absent"):
+    with pytest.raises(ProtocolError, match="adapters: must be absent when no adapter is applied"):
         compat_id(make_descriptor(adapters=[]))
 
 
@@ -660,13 +649,13 @@ def test_builder_rejects_missing_files(tmp_path):
 
 def test_builder_validates_its_result(tmp_path):
     directory, _ = make_model_dir(tmp_path)
-    with pytest.raises(ProtocolError, match="model must be a non-empty string"):
+    with pytest.raises(ProtocolError, match="model: must be a non-empty string"):
         descriptor_from_model_dir(directory, model="", block_tokens=16)
-    with pytest.raises(ProtocolError, match="block_tokens must be in"):
+    with pytest.raises(ProtocolError, match="block_tokens: must be an integer from 1 to"):
         descriptor_from_model_dir(directory, model="m", block_tokens=0)
     with pytest.raises(ProtocolError, match="not in the KVSP Positional Encodings registry"):
         descriptor_from_model_dir(directory, model="m", block_tokens=16, positional="xpos")
-    with pytest.raises(ProtocolError, match=r"adapters\[0\] must be 'sha-256:'"):
+    with pytest.raises(ProtocolError, match=r'adapters\[0\]: must be "sha-256:"'):
         descriptor_from_model_dir(directory, model="m", block_tokens=16, adapters=["lora"])
 
 

@@ -77,3 +77,37 @@ def test_every_operation_states_its_body_and_its_answers(urlconf):
                 assert answer["description"] in ("success", "no content"), (path, method)
             if method in ("put", "post"):
                 assert operation["requestBody"]["required"], (path, method)
+
+
+def test_descriptor_schema_is_closed_and_requires_what_4_1_requires():
+    """The Compatibility Descriptor refuses members 4.1 does not define and null in place of
+    an absent member (kvsp.records.CompatibilityDescriptor); the schema generated from it says
+    the same, so that a client written from the description cannot send either."""
+    from drf_spectacular.generators import SchemaGenerator
+
+    from kvsp.registries import ELEMENT_TYPES, LAYOUTS
+
+    schema = SchemaGenerator(urlconf="kvspsite.urls_control").get_schema(request=None, public=True)
+    put = schema["paths"]["/kvsp/compat/{compat_id}"]["put"]
+    body = put["requestBody"]["content"]["application/kvsp+json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompatibilityDescriptor"}
+    descriptor = schema["components"]["schemas"]["CompatibilityDescriptor"]
+    assert descriptor["additionalProperties"] is False
+    assert descriptor["required"] == [
+        "model",
+        "model_digest",
+        "tokenizer_digest",
+        "layers",
+        "kv_heads",
+        "head_dim",
+        "kv_dtype",
+        "positional",
+        "block_tokens",
+        "layout",
+    ]
+    members = descriptor["properties"]
+    assert members["adapters"]["minItems"] == 1
+    assert not any(member.get("nullable") for member in members.values())
+    assert members["kv_dtype"]["enum"] == list(ELEMENT_TYPES)
+    assert members["layout"]["enum"] == list(LAYOUTS)
+    assert members["layers"]["maximum"] == members["block_tokens"]["maximum"] == 2**32 - 1
