@@ -2,16 +2,17 @@
 view states its contract (``operation``).
 
 The views validate with the protocol core (``kvsp.records``), not with serializers, so
-drf-spectacular cannot infer bodies. The schemas of the records that are msgspec structs are
-generated from their types (``RECORD_TYPES``), so the description and the decoder share one
-definition; this module states the others (answers, envelopes). Each view method states its
-request body, responses and parameters with ``operation`` (drf-spectacular's
-``extend_schema``); ``describe``, a postprocessing hook, adds the schemas, the bearer scheme,
-the links between operations, and problem details for every error status. Each role's URLconf
-decides which of the operations its schema lists: the control plane's (DESIGN.md
-section 3, "Control plane") or a node's ("Node"). The schemas say what a valid message looks
-like; the core remains the judge (a document can match the schema and still break a rule, such
-as overlapping ranges or a reshard plan whose ``to`` is not ``from + 1``).
+drf-spectacular cannot infer bodies. The schemas of the records, and of the answers declared
+beside them as msgspec structs, are generated from their types (``RECORD_TYPES``), so the
+description and the code share one definition; this module states the others (answers and
+envelopes still built as dicts). Each view method states its request body, responses and
+parameters with ``operation`` (drf-spectacular's ``extend_schema``); ``describe``, a
+postprocessing hook, adds the schemas, the bearer scheme, the links between operations, and
+problem details for every error status. Each role's URLconf decides which of the operations its
+schema lists: the control plane's (DESIGN.md section 3, "Control plane") or a node's ("Node").
+The schemas say what a valid message looks like; the core remains the judge (a document can
+match the schema and still break a rule, such as overlapping ranges or a reshard plan whose
+``to`` is not ``from + 1``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from kvsp.records import (
     MAX_URL_LENGTH,
     BlockBatchRequest,
+    CheckpointAnswer,
     CompatibilityDescriptor,
     DirectiveStatusRecord,
     GenerateRequest,
@@ -32,13 +34,17 @@ from kvsp.records import (
     LeaseRenewal,
     LeaseRequest,
     LookupRequest,
+    OutputAnswer,
     PlacementRequest,
     PrefetchDirective,
     ReplicaRecord,
     ReshardAbort,
     ReshardCommit,
+    ReshardMoveAnswer,
     ReshardPlan,
     ResumeRequest,
+    ScopeKeyAnswer,
+    SessionAdmitted,
     SessionCheckpoint,
     ShardMap,
     TokenGrant,
@@ -69,7 +75,8 @@ _RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS
 _ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
 
 
-# The records whose schemas are generated from their types; the structs they nest come along.
+# The records and answers whose schemas are generated from their types; the structs they nest
+# come along.
 RECORD_TYPES = (
     CompatibilityDescriptor,
     ReplicaRecord,
@@ -93,6 +100,12 @@ RECORD_TYPES = (
     ReshardPlan,
     ReshardCommit,
     ReshardAbort,
+    # Answers the views build.
+    ScopeKeyAnswer,
+    CheckpointAnswer,
+    OutputAnswer,
+    SessionAdmitted,
+    ReshardMoveAnswer,
 )
 
 
@@ -243,10 +256,6 @@ SCHEMAS = {
         },
         ["matched", "blocks"],
     ),
-    "ScopeKey": _object(
-        {"scope_id": _hex(16), "name": {"type": "string"}, "scope_key": {"type": "string"}},
-        ["scope_id", "name", "scope_key"],
-    ),
     "StateAnswer": _object(
         {"state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]}},
         ["state"],
@@ -293,16 +302,6 @@ SCHEMAS = {
         },
         ["instance", "name", "matched", "directive", "candidates"],
     ),
-    "CheckpointAnswer": _object(
-        {
-            "session": {"type": "string"},
-            "epoch": _INT,
-            "output_offset": _INT,
-            # Present when the checkpoint carried output tokens (the extension member output).
-            "output": _ref("OutputAnswer"),
-        },
-        ["session", "epoch", "output_offset"],
-    ),
     "OutputToken": _object(
         {"epoch": _INT, "index": _INT, "token": _TOKEN, "final": {"type": "boolean"}},
         ["epoch", "index", "token"],
@@ -313,16 +312,6 @@ SCHEMAS = {
             {"type": "array", "items": _ref("OutputToken"), "minItems": 1, "maxItems": 4096},
         ]
     },
-    "OutputAnswer": _object(
-        {
-            "session": {"type": "string"},
-            "epoch": _INT,
-            "stored": {"type": "array", "items": _INT},
-            "duplicates": {"type": "array", "items": _INT},
-            "delivered": _INT,
-        },
-        ["session", "epoch", "stored", "duplicates", "delivered"],
-    ),
     "Output": _object(
         {
             "session": {"type": "string"},
@@ -381,35 +370,10 @@ SCHEMAS.update(
         # application/kvsp-block, Content-Length, Repr-Digest) or the block's problem details;
         # each part names its block resource in Content-Location (docs/api.md "Blocks in batches").
         "BlockBatch": _BINARY,
-        "SessionAdmitted": _object(
-            {
-                "session": {"type": "string", "format": "uuid"},
-                "epoch": _POSITIVE,
-                "state": {"type": "string"},
-                "session_url": {"type": "string"},
-                "output_url": {"type": "string"},
-            },
-            ["session", "epoch", "state"],
-        ),
         # A body with "commit" is a commit and one with "abort" an abort; any other a plan.
         "ReshardBody": {
             "anyOf": [_ref("ReshardPlan"), _ref("ReshardCommit"), _ref("ReshardAbort")]
         },
-        "ReshardMove": _object(
-            {
-                "map": {"type": "string"},
-                "from": {"type": "integer", "nullable": True},
-                "to": _INT,
-                "attempt": {**_ATTEMPT, "nullable": True},
-                "state": {"type": "string", "enum": ["preparing", "committed", "aborted"]},
-                "loaded": {"type": "boolean"},
-                "fetched_blocks": _INT,
-                "fetched_octets": _INT,
-                "released_blocks": _INT,
-                "owed_release": _INT,
-            },
-            ["map", "from", "to", "state", "loaded"],
-        ),
     }
 )
 

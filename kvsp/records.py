@@ -64,6 +64,7 @@ from kvsp.states import (
     REQUESTABLE_INSTANCE_STATES,
     DirectiveState,
     InstanceState,
+    ReshardPhase,
 )
 
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -2163,3 +2164,70 @@ def parse_reshard_body(
     if has_abort:
         return ReshardAbort.from_json(obj, limits)
     return ReshardPlan.from_json(obj, limits)
+
+
+# --- Answers the API builds (DESIGN.md section 3) ---------------------------------------------
+#
+# Structs for the same reason as the records: the OpenAPI description is generated from them, so
+# it states what the views send. The server builds them and nothing here decodes them, so they
+# carry no rules beyond their types.
+
+
+class ScopeKeyAnswer(WireRecord, frozen=True):
+    """GET scopes/{scope_id}/key: the scope key for a principal of the scope, the spec's "means
+    outside this document" of sharing it (4.2)."""
+
+    scope_id: Hex16
+    name: str
+    scope_key: Annotated[str, msgspec.Meta(description="the scope key in lowercase hex")]
+
+
+class SessionAdmitted(WireRecord, frozen=True, kw_only=True):
+    """A session a node admitted (POST generate, POST sessions/{session}/resume). A generated
+    session names its resources at the control plane, where its checkpoints and output tokens
+    appear (6.8); a resumed one has them already."""
+
+    session: Uuid
+    epoch: PositiveInt
+    state: str
+    session_url: str | None = None
+    output_url: str | None = None
+
+
+class OutputAnswer(WireRecord, frozen=True, kw_only=True):
+    """What the control plane took of posted output tokens: the indexes it stored, those it
+    held already, and how many tokens of the session it holds in all."""
+
+    session: Uuid
+    epoch: Count
+    stored: tuple[Count, ...]
+    duplicates: tuple[Count, ...]
+    delivered: Count
+
+
+class CheckpointAnswer(WireRecord, frozen=True, kw_only=True):
+    """The control plane's answer to a Session Checkpoint (6.8): the offset it holds, and what
+    it took of the output tokens that came with the checkpoint (the extension member
+    ``output``), when some did."""
+
+    session: Uuid
+    epoch: Count
+    output_offset: Count
+    output: OutputAnswer | None = None
+
+
+class ReshardMoveAnswer(WireRecord, frozen=True, kw_only=True):
+    """The answer to POST reshard (6.9): the move as the node sees it. ``from`` is null for a
+    decision whose plan never arrived, ``attempt`` when the PC numbered none; ``owed_release``
+    counts the blocks still held after a commit because a lease covered them."""
+
+    map: Segment
+    from_version: Count | None = msgspec.field(name="from")
+    to_version: PositiveInt = msgspec.field(name="to")
+    attempt: _Count32 | None
+    state: Annotated[str, _rule(_choice_rule(ReshardPhase), {"enum": [*ReshardPhase]})]
+    loaded: bool
+    fetched_blocks: Count
+    fetched_octets: Count
+    released_blocks: Count
+    owed_release: Count

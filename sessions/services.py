@@ -26,7 +26,7 @@ from index.scopekeys import open_scope_key
 from kvsp import blockkeys
 from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
-from kvsp.records import SessionCheckpoint
+from kvsp.records import CheckpointAnswer, OutputAnswer, SessionCheckpoint
 from kvsp.states import (
     SESSION_STATES,
     EpochRole,
@@ -61,24 +61,22 @@ def _principal_instance(principal) -> Instance:
 
 
 @dataclass(frozen=True)
-class CheckpointAnswer:
+class CheckpointTaken:
     session: Session
     created: bool
     # The answer to the tokens that came with the checkpoint (extension member ``output``).
-    output: dict | None = None
+    output: OutputAnswer | None = None
 
-    def to_json(self) -> dict:
-        answer = {
-            "session": str(self.session.session),
-            "epoch": self.session.epoch,
-            "output_offset": self.session.checkpoint_offset,
-        }
-        if self.output is not None:
-            answer["output"] = self.output
-        return answer
+    def answer(self) -> CheckpointAnswer:
+        return CheckpointAnswer(
+            session=str(self.session.session),
+            epoch=self.session.epoch,
+            output_offset=self.session.checkpoint_offset,
+            output=self.output,
+        )
 
 
-def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> CheckpointAnswer:
+def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> CheckpointTaken:
     """PUT sessions/{session}/checkpoint (6.8): keep the highest output_offset of the current
     epoch; refuse lower epochs with kvsp-stale-epoch. The answer acknowledges the offset the PC
     holds, which is what lets an instance release tokens of a non-deterministic sampler.
@@ -97,7 +95,7 @@ def do_checkpoint(principal, session_id: str, body: object, *, now=None) -> Chec
     return replace(answer, output=taken)
 
 
-def _record_checkpoint(principal, session_id: str, body: object, *, now=None) -> CheckpointAnswer:
+def _record_checkpoint(principal, session_id: str, body: object, *, now=None) -> CheckpointTaken:
     checkpoint = SessionCheckpoint.from_json(body)
     timings = _timings(body)
     key = parse_session_id(session_id)
@@ -132,7 +130,7 @@ def _record_checkpoint(principal, session_id: str, body: object, *, now=None) ->
     with transaction.atomic():
         session = Session.objects.select_for_update().get(session=key)
         if created:
-            return CheckpointAnswer(session, True)
+            return CheckpointTaken(session, True)
         accept_epoch(EpochRole.ISSUER, session.epoch, checkpoint.epoch, "epoch")
         if session.instance_id != instance.pk:
             raise ProtocolError("kvsp-forbidden", "the session is served by another instance")
@@ -155,7 +153,7 @@ def _record_checkpoint(principal, session_id: str, body: object, *, now=None) ->
         if session.state == SessionState.RESUMING:
             session.state = SESSION_STATES.next_state(session.state, SessionEvent.RESUMED)
         session.save()
-    return CheckpointAnswer(session, False)
+    return CheckpointTaken(session, False)
 
 
 def _timings(body: dict) -> dict | None:
@@ -203,7 +201,7 @@ def _parse_output(body: object) -> list[PostedToken]:
     return parsed
 
 
-def do_post_output(principal, session_id: str, body: object, *, now=None) -> dict:
+def do_post_output(principal, session_id: str, body: object, *, now=None) -> OutputAnswer:
     """POST sessions/{session}/output: the front end keeps each index once and refuses tokens
     of a lower epoch than the session's (6.8). With a non-deterministic sampler, a token not
     yet covered by an acknowledged checkpoint is refused too: the instance must not release it.
@@ -256,13 +254,13 @@ def do_post_output(principal, session_id: str, body: object, *, now=None) -> dic
             transaction.on_commit(lambda: streams.output_changed(key))
     metrics.OUTPUT_TOKENS.labels("stored").inc(len(fresh))
     metrics.OUTPUT_TOKENS.labels("duplicate").inc(len(tokens) - len(fresh))
-    return {
-        "session": str(key),
-        "epoch": session.epoch,
-        "stored": sorted(fresh),
-        "duplicates": sorted(set(indices) - set(fresh)),
-        "delivered": session.delivered,
-    }
+    return OutputAnswer(
+        session=str(key),
+        epoch=session.epoch,
+        stored=tuple(sorted(fresh)),
+        duplicates=tuple(sorted(set(indices) - set(fresh))),
+        delivered=session.delivered,
+    )
 
 
 def output_of(principal, session_id: str, *, after: int = -1) -> dict:

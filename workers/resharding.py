@@ -68,6 +68,7 @@ from kvsp.records import (
     InvalidRecord,
     ReshardAbort,
     ReshardCommit,
+    ReshardMoveAnswer,
     ReshardPlan,
     TokenRange,
 )
@@ -183,20 +184,20 @@ def _move_blocks(plan: ReshardPlan, blocks: PlanBlocks) -> reshard_moves.MoveBlo
     )
 
 
-def move_json(move: ReshardMove) -> dict:
+def move_answer(move: ReshardMove) -> ReshardMoveAnswer:
     """The answer to POST reshard: the move as this node sees it."""
-    return {
-        "map": move.map,
-        "from": move.from_version,
-        "to": move.to_version,
-        "attempt": move.attempt,
-        "state": move.phase,
-        "loaded": move.loaded_at is not None,
-        "fetched_blocks": move.fetched_blocks,
-        "fetched_octets": move.fetched_octets,
-        "released_blocks": move.released_blocks,
-        "owed_release": len(move.owed_release),
-    }
+    return ReshardMoveAnswer(
+        map=move.map,
+        from_version=move.from_version,
+        to_version=move.to_version,
+        attempt=move.attempt,
+        state=move.phase,
+        loaded=move.loaded_at is not None,
+        fetched_blocks=move.fetched_blocks,
+        fetched_octets=move.fetched_octets,
+        released_blocks=move.released_blocks,
+        owed_release=len(move.owed_release),
+    )
 
 
 # --- POST reshard ---------------------------------------------------------------------------------

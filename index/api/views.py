@@ -19,6 +19,7 @@ from index.scopekeys import open_scope_key
 from kvsp.problems import ProtocolError
 from kvsp.records import (
     ReplicaRecord,
+    ScopeKeyAnswer,
     TokenGrant,
     TokenIntrospection,
     TokenIntrospectionRequest,
@@ -137,16 +138,14 @@ class CompatView(APIView):
 class ScopeKeyView(APIView):
     """The scope key, for principals of the scope: the spec's "means outside this document"."""
 
-    @operation(responses={200: "ScopeKey", 404: PROBLEM})
+    @operation(responses={200: ScopeKeyAnswer, 404: PROBLEM})
     def get(self, request, scope_id: bytes):
         scope = selectors.scope_for(request.user, scope_id)
         if scope is None:
             raise ProtocolError("kvsp-not-found", "no such scope")
         key = open_scope_key(scope.scope_id, scope.key_ciphertext)
-        return Response(
-            {"scope_id": scope_id.hex(), "name": scope.name, "scope_key": key.hex()},
-            headers={"Cache-Control": "no-store"},
-        )
+        answer = ScopeKeyAnswer(scope_id=scope_id.hex(), name=scope.name, scope_key=key.hex())
+        return Response(answer.to_json(), headers={"Cache-Control": "no-store"})
 
 
 # A token answer is never stored by a cache on the way (as RFC 6749 5.1 asks of token answers).

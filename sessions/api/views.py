@@ -17,7 +17,7 @@ from common.openapi import PROBLEM, operation
 from common.permissions import may_read_scope
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
-from kvsp.records import SessionCheckpoint
+from kvsp.records import CheckpointAnswer, OutputAnswer, SessionCheckpoint
 from sessions import services, streams
 from sessions.models import Session
 
@@ -28,11 +28,11 @@ STREAM_IDLE_LIMIT_S = 300
 class CheckpointView(APIView):
     @operation(
         SessionCheckpoint,
-        {200: "CheckpointAnswer", 201: "CheckpointAnswer", 403: PROBLEM, 409: PROBLEM},
+        {200: CheckpointAnswer, 201: CheckpointAnswer, 403: PROBLEM, 409: PROBLEM},
     )
     def put(self, request, session: str):
         answer = services.do_checkpoint(request.user, session, request.data)
-        return Response(answer.to_json(), status=201 if answer.created else 200)
+        return Response(answer.answer().to_json(), status=201 if answer.created else 200)
 
 
 class SessionView(APIView):
@@ -48,9 +48,9 @@ class SessionView(APIView):
 class OutputView(APIView):
     """POST tokens (the serving instance); GET them, or stream them as server-sent events."""
 
-    @operation("OutputPost", {200: "OutputAnswer", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
+    @operation("OutputPost", {200: OutputAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
     def post(self, request, session: str):
-        return Response(services.do_post_output(request.user, session, request.data))
+        return Response(services.do_post_output(request.user, session, request.data).to_json())
 
     @operation(responses={200: "Output", 404: PROBLEM})
     def get(self, request, session: str):

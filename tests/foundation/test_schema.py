@@ -86,6 +86,7 @@ def test_descriptor_schema_is_closed_and_requires_what_4_1_requires():
     from drf_spectacular.generators import SchemaGenerator
 
     from kvsp.registries import ELEMENT_TYPES, LAYOUTS
+    from tests.support.descriptors import SMALL_MODEL
 
     schema = SchemaGenerator(urlconf="kvspsite.urls_control").get_schema(request=None, public=True)
     put = schema["paths"]["/kvsp/compat/{compat_id}"]["put"]
@@ -93,18 +94,8 @@ def test_descriptor_schema_is_closed_and_requires_what_4_1_requires():
     assert body == {"$ref": "#/components/schemas/CompatibilityDescriptor"}
     descriptor = schema["components"]["schemas"]["CompatibilityDescriptor"]
     assert descriptor["additionalProperties"] is False
-    assert descriptor["required"] == [
-        "model",
-        "model_digest",
-        "tokenizer_digest",
-        "layers",
-        "kv_heads",
-        "head_dim",
-        "kv_dtype",
-        "positional",
-        "block_tokens",
-        "layout",
-    ]
+    # The small model's descriptor has every required member, and only those.
+    assert descriptor["required"] == list(SMALL_MODEL)
     members = descriptor["properties"]
     assert members["adapters"]["minItems"] == 1
     assert not any(member.get("nullable") for member in members.values())

@@ -54,8 +54,10 @@ from kvsp.records import (
     LeaseRequest,
     PrefetchDirective,
     ReplicaRecord,
+    ReshardMoveAnswer,
     ReshardPlan,
     ResumeRequest,
+    SessionAdmitted,
     parse_reshard_body,
 )
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
@@ -295,20 +297,21 @@ class GenerateView(APIView):
 
     @operation(
         GenerateRequest,
-        {202: "SessionAdmitted", 403: PROBLEM, 409: PROBLEM, 503: PROBLEM},
+        {202: SessionAdmitted, 403: PROBLEM, 409: PROBLEM, 503: PROBLEM},
         parameters=[location_header(202)],
     )
     def post(self, request):
         row = served_sessions.do_accept_generation(request.user, request.data)
         session_url = f"{settings.KVSP_CONTROL_URL}sessions/{row.session}"
+        admitted = SessionAdmitted(
+            session=str(row.session),
+            epoch=row.epoch,
+            state=row.state,
+            session_url=session_url,
+            output_url=f"{session_url}/output",
+        )
         return Response(
-            {
-                "session": str(row.session),
-                "epoch": row.epoch,
-                "state": row.state,
-                "session_url": session_url,
-                "output_url": f"{session_url}/output",
-            },
+            admitted.to_json(),
             status=status.HTTP_202_ACCEPTED,
             headers={"Location": session_url},
         )
@@ -320,13 +323,11 @@ class ResumeView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
-    @operation(ResumeRequest, {202: "SessionAdmitted", 403: PROBLEM, 409: PROBLEM, 503: PROBLEM})
+    @operation(ResumeRequest, {202: SessionAdmitted, 403: PROBLEM, 409: PROBLEM, 503: PROBLEM})
     def post(self, request, session: str):
         row = served_sessions.do_accept_resume(session, request.data)
-        return Response(
-            {"session": str(row.session), "epoch": row.epoch, "state": row.state},
-            status=status.HTTP_202_ACCEPTED,
-        )
+        admitted = SessionAdmitted(session=str(row.session), epoch=row.epoch, state=row.state)
+        return Response(admitted.to_json(), status=status.HTTP_202_ACCEPTED)
 
 
 class ReshardView(APIView):
@@ -339,7 +340,7 @@ class ReshardView(APIView):
     # deadline_ms passed first.
     @operation(
         "ReshardBody",
-        {200: "ReshardMove", 403: PROBLEM, 409: PROBLEM, 502: PROBLEM, 503: PROBLEM},
+        {200: ReshardMoveAnswer, 403: PROBLEM, 409: PROBLEM, 502: PROBLEM, 503: PROBLEM},
     )
     def post(self, request):
         body = parse_reshard_body(request.data)
@@ -347,4 +348,4 @@ class ReshardView(APIView):
             move = resharding.do_prepare(body, request.data)
         else:
             move = resharding.do_decide(body, request.data)
-        return Response(resharding.move_json(move))
+        return Response(resharding.move_answer(move).to_json())
