@@ -33,11 +33,14 @@ from kvsp.records import (
     LeaseGrant,
     LeaseRenewal,
     LeaseRequest,
+    LookupAnswer,
     LookupRequest,
     OutputAnswer,
+    PlacementAnswer,
     PlacementRequest,
     PrefetchDirective,
     ReplicaRecord,
+    Replicas,
     ReshardAbort,
     ReshardCommit,
     ReshardMoveAnswer,
@@ -101,6 +104,9 @@ RECORD_TYPES = (
     ReshardCommit,
     ReshardAbort,
     # Answers the views build.
+    Replicas,
+    LookupAnswer,
+    PlacementAnswer,
     ScopeKeyAnswer,
     CheckpointAnswer,
     OutputAnswer,
@@ -194,10 +200,6 @@ _PROBLEM = _object(
 
 SCHEMAS = {
     "Problem": _PROBLEM,
-    "Replicas": _object(
-        {"block_key": _hex(32), "replicas": {"type": "array", "items": _ref("ReplicaRecord")}},
-        ["block_key", "replicas"],
-    ),
     # Each item is judged on its own, as its single PUT or DELETE would judge it, and a refused
     # item is answered in its result: so any value is a valid item here, and only the envelope
     # is refused whole.
@@ -232,30 +234,6 @@ SCHEMAS = {
         },
         ["results"],
     ),
-    "LookupAnswer": _object(
-        {
-            "matched": _INT,
-            "blocks": {"type": "array", "items": _ref("Replicas")},
-            "estimates": {
-                "type": "array",
-                "items": _object(
-                    {
-                        "target": _URL,
-                        "fetch_us": {"type": "number"},
-                        "recompute_us": {"type": "number"},
-                    },
-                    ["target", "fetch_us", "recompute_us"],
-                ),
-            },
-            "unpriced": {
-                "type": "array",
-                "items": _object(
-                    {"target": _URL, "reason": {"type": "string"}}, ["target", "reason"]
-                ),
-            },
-        },
-        ["matched", "blocks"],
-    ),
     "StateAnswer": _object(
         {"state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]}},
         ["state"],
@@ -274,33 +252,6 @@ SCHEMAS = {
     ),
     "Instances": _object(
         {"instances": {"type": "array", "items": _ref("Instance")}}, ["instances"]
-    ),
-    "PlacementAnswer": _object(
-        {
-            "instance": _URL,
-            "name": {"type": "string"},
-            "matched": _INT,
-            "directive": {"type": "string", "nullable": True},
-            "woke": {"type": "boolean"},
-            "candidates": {
-                "type": "array",
-                "items": _object(
-                    {
-                        "instance": _URL,
-                        "name": {"type": "string"},
-                        "state": {"type": "string"},
-                        "wait_us": {"type": "number"},
-                        "fetch_us": {"type": "number"},
-                        "recompute_unmatched_us": {"type": "number"},
-                        "recompute_all_us": {"type": "number"},
-                        "cost_us": {"type": "number"},
-                    },
-                    ["instance", "name", "cost_us"],
-                ),
-            },
-            "timings_us": {"type": "object"},
-        },
-        ["instance", "name", "matched", "directive", "candidates"],
     ),
     "OutputToken": _object(
         {"epoch": _INT, "index": _INT, "token": _TOKEN, "final": {"type": "boolean"}},

@@ -48,7 +48,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvsp.records import DirectiveBlock, InstanceStatusRecord, Link, ReplicaRecord
+from kvsp.records import DirectiveBlock, InstanceStatusRecord, Link, LookupEstimate, ReplicaRecord
 
 
 def transfer_us(nbytes: int | float, mbit_per_s: int | float) -> float:
@@ -283,18 +283,6 @@ def price_instance(
 def cheapest(breakdowns: Iterable[CostBreakdown]) -> CostBreakdown | None:
     """The candidate with the lowest cost; ties go to the lower instance URL (deterministic)."""
     return min(breakdowns, key=lambda b: (b.cost_us, b.instance), default=None)
-
-
-@dataclass(frozen=True, slots=True)
-class LookupEstimate:
-    """One entry of a lookup answer's ``estimates`` (6.2, DESIGN.md section 3)."""
-
-    target: str
-    fetch_us: float
-    recompute_us: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"target": self.target, "fetch_us": self.fetch_us, "recompute_us": self.recompute_us}
 
 
 def lookup_estimate(

@@ -1453,6 +1453,77 @@ class PlacementRequest(WireRecord, frozen=True):
         return {"tokens": limits.max_tokens}
 
 
+# --- Lookup (6.1, 6.2) and placement (6.4) answers --------------------------------------------
+# The index and the PC write these on their hot paths from rows and prices (a block's replicas
+# as JSON written once per row, ``index.selectors.ReplicaRow.fragment``); the types say what
+# they answer, for the OpenAPI description and for the tests that decode real answers.
+
+Micros = Annotated[float, _rule("must be a number of microseconds", ge=0)]
+
+
+class Replicas(WireRecord, frozen=True):
+    """A block's unexpired Replica Records: GET replicas/{compat}/{scope}/{key} (6.1), and
+    each block of a lookup's matched prefix (6.2)."""
+
+    block_key: Hex32
+    replicas: tuple[ReplicaRecord, ...]
+
+
+class LookupEstimate(WireRecord, frozen=True):
+    """One entry of a lookup answer's ``estimates`` (6.2, DESIGN.md section 3): the time to
+    make the matched blocks resident at ``target``, and to prefill their tokens there."""
+
+    target: BaseUrl
+    fetch_us: Micros
+    recompute_us: Micros
+
+
+class UnpricedTarget(WireRecord, frozen=True):
+    """A lookup target the IS could not price, and why."""
+
+    target: BaseUrl
+    reason: Text
+
+
+class LookupAnswer(WireRecord, frozen=True, kw_only=True):
+    """The answer to POST lookup (6.2): the matched prefix's blocks with their replicas, and,
+    when the request named targets, an estimate for each (or why there is none)."""
+
+    matched: Count
+    blocks: tuple[Replicas, ...]
+    estimates: tuple[LookupEstimate, ...] | None = None
+    unpriced: tuple[UnpricedTarget, ...] | None = None
+
+
+class PlacementCandidate(WireRecord, frozen=True, kw_only=True):
+    """One instance the PC priced for a placement: the terms of its 6.4 cost
+    (``kvsp.cost.CostBreakdown``) and its state."""
+
+    instance: BaseUrl
+    name: Text
+    state: Text
+    wait_us: Micros
+    fetch_us: Micros
+    recompute_unmatched_us: Micros
+    recompute_all_us: Micros
+    cost_us: Micros
+
+
+class PlacementAnswer(WireRecord, frozen=True, kw_only=True):
+    """The answer to POST CP placements (DESIGN.md section 3): the instance chosen, the prefix
+    it will load, the URL of the prefetch directive sent to it (null when it loads nothing),
+    whether it was woken for this request, every candidate priced, and the microseconds each
+    step of the placement took."""
+
+    instance: BaseUrl
+    name: Text
+    matched: Count
+    directive: str | None
+    woke: bool
+    candidates: tuple[PlacementCandidate, ...]
+    timings_us: dict[str, Annotated[int, msgspec.Meta(ge=0)]]
+
+
 # --- Prefetch directive and its state (6.5, DESIGN.md section 3) ------------------------------
 
 

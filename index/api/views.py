@@ -19,6 +19,7 @@ from index.scopekeys import open_scope_key
 from kvsp.problems import ProtocolError
 from kvsp.records import (
     ReplicaRecord,
+    Replicas,
     ScopeKeyAnswer,
     TokenGrant,
     TokenIntrospection,
@@ -75,7 +76,7 @@ class ReplicaView(APIView):
         services.do_withdraw_replica(request.user, compat_id, scope_id, block_key, holder)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @operation(responses={200: "Replicas", 404: PROBLEM})
+    @operation(responses={200: Replicas, 404: PROBLEM})
     def get(self, request, compat_id: bytes, scope_id: bytes, block_key: bytes):
         found = selectors.replica_rows_by_key(request.user, compat_id, scope_id, [block_key])
         if block_key not in found:

@@ -14,7 +14,14 @@ from common.openapi import PROBLEM, operation
 from common.permissions import IsController, IsControllerOrReadOnly
 from index.selectors import lookup
 from kvsp.problems import ProtocolError
-from kvsp.records import InstanceStatusRecord, LookupRequest, PlacementRequest, ShardMap
+from kvsp.records import (
+    InstanceStatusRecord,
+    LookupAnswer,
+    LookupRequest,
+    PlacementAnswer,
+    PlacementRequest,
+    ShardMap,
+)
 from placement import placements, resharding, services
 from placement.models import Instance
 from placement.selectors import (
@@ -30,7 +37,7 @@ from placement.selectors import (
 class LookupView(APIView):
     """Prefix lookup (spec 6.2), with fetch and recompute estimates per target (6.4)."""
 
-    @operation(LookupRequest, {200: "LookupAnswer", 413: PROBLEM})
+    @operation(LookupRequest, {200: LookupAnswer, 413: PROBLEM})
     def post(self, request):
         body = require_object(request.data)
         keys = body.get("block_keys")
@@ -82,7 +89,7 @@ class InstanceDetailView(APIView):
 class PlacementView(APIView):
     """Choose an instance for a request and prefetch its cache there (6.4, 6.5)."""
 
-    @operation(PlacementRequest, {200: "PlacementAnswer", 404: PROBLEM, 503: PROBLEM})
+    @operation(PlacementRequest, {200: PlacementAnswer, 404: PROBLEM, 503: PROBLEM})
     def post(self, request):
         timer = placements.Timer()
         placement = PlacementRequest.from_json(request.data)

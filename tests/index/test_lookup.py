@@ -5,7 +5,9 @@ from django.test import override_settings
 from django.utils import timezone
 
 from kvsp.compat import compat_id_hex
+from kvsp.records import LookupAnswer
 from placement.models import Instance, InstanceState
+from tests.support.answers import assert_answers_as
 from tests.support.descriptors import descriptor
 from tests.support.fixtures import (
     HOLDER_A,
@@ -200,6 +202,7 @@ def test_estimates_per_target(scope, holder_a):
         "targets": targets,
     }
     answer = body(holder_a.post("/kvsp/lookup", request))
+    assert_answers_as(LookupAnswer, answer)
     assert answer["matched"] == 4
     estimates = {e["target"]: e for e in answer["estimates"]}
     # 4 MB at 100,000 Mbit/s is 320 us, plus 10 us of round trip.

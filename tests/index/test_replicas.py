@@ -9,7 +9,8 @@ from django.utils import timezone
 from index.authentication import principal_for_token
 from index.models import Replica
 from index.services import do_publish_replica
-from kvsp.records import ReplicaRecord
+from kvsp.records import ReplicaRecord, Replicas
+from tests.support.answers import assert_answers_as
 from tests.support.fixtures import (
     HOLDER_A,
     HOLDER_B,
@@ -40,6 +41,7 @@ def test_publish_creates_then_refresh_is_idempotent(scope, holder_a):
     assert Replica.objects.count() == 1
     listed = holder_a.get(path_of(record))
     assert listed.status_code == 200
+    assert_answers_as(Replicas, body(listed))
     (served,) = body(listed)["replicas"]
     assert served["holder"] == HOLDER_A
     assert served["digest"] == record["digest"]

@@ -2,9 +2,10 @@
 
 import pytest
 
-from kvsp.records import MAX_REQUEST_REF_LENGTH
+from kvsp.records import MAX_REQUEST_REF_LENGTH, PlacementAnswer
 from placement.models import Directive, Instance
 from tests.placement.conftest import HOLDER
+from tests.support.answers import assert_answers_as
 from tests.support.fixtures import body, make_instance, problem_name, report, status_record
 from tests.support.statements import PRINCIPAL_OF_TOKEN, statements_sent
 
@@ -31,6 +32,7 @@ def test_a_hit_on_a_fast_link_wins(cluster):
     up("fast", scope=cluster.scope, links=[link(100_000)])
     up("cold", scope=cluster.scope, links=[])
     answer = body(cluster.place())
+    assert_answers_as(PlacementAnswer, answer)
     assert answer["name"] == "fast"
     assert answer["matched"] == 4
     fast = by_name(answer)["fast"]
