@@ -29,6 +29,8 @@ from kvsp.records import (
     CompatibilityDescriptor,
     DirectiveStatusRecord,
     GenerateRequest,
+    InstanceAnswer,
+    InstancesAnswer,
     InstanceStatusRecord,
     LeaseGrant,
     LeaseRenewal,
@@ -39,15 +41,18 @@ from kvsp.records import (
     PlacementAnswer,
     PlacementRequest,
     PrefetchDirective,
+    ReplicaBatchAnswer,
     ReplicaRecord,
     Replicas,
     ReshardAbort,
     ReshardCommit,
     ReshardMoveAnswer,
+    ReshardOperationAnswer,
     ReshardPlan,
     ResumeRequest,
     ScopeKeyAnswer,
     SessionAdmitted,
+    SessionAnswer,
     SessionCheckpoint,
     ShardMap,
     TokenGrant,
@@ -104,6 +109,11 @@ RECORD_TYPES = (
     ReshardCommit,
     ReshardAbort,
     # Answers the views build.
+    ReplicaBatchAnswer,
+    InstanceAnswer,
+    InstancesAnswer,
+    SessionAnswer,
+    ReshardOperationAnswer,
     Replicas,
     LookupAnswer,
     PlacementAnswer,
@@ -216,42 +226,12 @@ SCHEMAS = {
         },
         ["replicas"],
     ),
-    "ReplicaBatchAnswer": _object(
-        {
-            "results": {
-                "type": "array",
-                "items": _object(
-                    {
-                        "block_key": {"type": "string", "nullable": True},
-                        "holder": {"type": "string", "nullable": True},
-                        "status": {"type": "integer", "minimum": 200, "maximum": 599},
-                        "problem": {**_PROBLEM, "nullable": True},
-                        "ttl_ms": _POSITIVE,
-                    },
-                    ["block_key", "holder", "status", "problem"],
-                ),
-            }
-        },
-        ["results"],
-    ),
     "StateAnswer": _object(
         {"state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]}},
         ["state"],
     ),
     "StateChange": _object(
         {"state": {"type": "string", "enum": ["active", "draining", "sleeping"]}}, ["state"]
-    ),
-    "Instance": _object(
-        {
-            "name": {"type": "string"},
-            "url": _URL,
-            "state": {"type": "string"},
-            "epoch": {"type": "integer", "nullable": True},
-        },
-        ["name", "url", "state"],
-    ),
-    "Instances": _object(
-        {"instances": {"type": "array", "items": _ref("Instance")}}, ["instances"]
     ),
     "OutputToken": _object(
         {"epoch": _INT, "index": _INT, "token": _TOKEN, "final": {"type": "boolean"}},
@@ -273,15 +253,6 @@ SCHEMAS = {
         },
         ["session", "epoch", "state", "tokens", "complete"],
     ),
-    "Session": _object(
-        {
-            "session": {"type": "string"},
-            "epoch": _INT,
-            "state": {"type": "string"},
-            "instance": {"type": "string", "nullable": True},
-        },
-        ["session", "epoch", "state"],
-    ),
     "ReshardRequest": _object(
         {
             "shards": {
@@ -292,18 +263,6 @@ SCHEMAS = {
             "deadline_ms": _RESHARD_DEADLINE,
         },
         ["shards", "deadline_ms"],
-    ),
-    "ReshardOperation": _object(
-        {
-            "map": {"type": "string"},
-            "from": _INT,
-            "to": _INT,
-            "attempt": _ATTEMPT,
-            "state": {"type": "string", "enum": ["preparing", "committed", "aborted"]},
-            "plans": {"type": "array", "items": {"type": "object"}},
-            "acknowledged": {"type": "array", "items": _URL},
-        },
-        ["map", "from", "to", "state", "plans"],
     ),
 }
 

@@ -2302,3 +2302,87 @@ class ReshardMoveAnswer(WireRecord, frozen=True, kw_only=True):
     fetched_octets: Count
     released_blocks: Count
     owed_release: Count
+
+
+# Resources the control plane answers with, written from its rows (``instance_json``,
+# ``session_json``, ``operation_json``, the batch outcomes) where the dashboard reads them too;
+# the types say what they answer, and tests decode real answers with them.
+
+
+class BatchResult(WireRecord, frozen=True, kw_only=True):
+    """What became of one item of a batch publication or withdrawal: the status and problem
+    its single PUT or DELETE would have answered, and the TTL granted to a record published."""
+
+    block_key: str | None
+    holder: str | None
+    status: Annotated[int, msgspec.Meta(ge=200, le=599)]
+    problem: dict[str, Any] | None
+    ttl_ms: PositiveInt | None = None
+
+
+class ReplicaBatchAnswer(WireRecord, frozen=True):
+    """The answer to POST CP replicas and POST CP replicas/withdrawals: one result per item,
+    in order."""
+
+    results: tuple[BatchResult, ...]
+
+
+class InstanceAnswer(WireRecord, frozen=True, kw_only=True):
+    """An instance as the PC knows it: its state and the figures of its latest status record
+    (6.3), and whether the PC has told it of its latest state change."""
+
+    name: Text
+    url: BaseUrl
+    state: Text
+    epoch: int | None
+    compat_ids: tuple[Hex32, ...]
+    running: Count
+    queued: Count
+    batch_size: Count
+    kv_utilization: float
+    prefill_tokens_per_s: float | None
+    decode_tokens_per_s: float | None
+    links: tuple[Link, ...] | None
+    requested_state: Text | None
+    last_report_age_ms: int | None
+    live: bool
+    restarts: Count
+    state_pushed: bool
+
+
+class InstancesAnswer(WireRecord, frozen=True):
+    """GET CP instances/: every instance registered."""
+
+    instances: tuple[InstanceAnswer, ...]
+
+
+class SessionAnswer(WireRecord, frozen=True, kw_only=True):
+    """A session as the front end follows it (6.8): its epoch and state, the instance serving
+    it, its latest acknowledged checkpoint, and how much of its output was delivered."""
+
+    session: Uuid
+    epoch: Count
+    state: Text
+    instance: str | None
+    instance_name: str | None
+    checkpoint: dict[str, Any] | None
+    output_offset: Count
+    delivered: Count
+    final_length: Count | None
+    failovers: Count
+
+
+class ReshardOperationAnswer(WireRecord, frozen=True, kw_only=True):
+    """One attempt of the move of a Shard Map to its next version (6.9, DESIGN.md section 3):
+    its plans, the members that acknowledged them and those told of the decision."""
+
+    map: Text
+    from_version: Count = msgspec.field(name="from")
+    to_version: Count = msgspec.field(name="to")
+    attempt: PositiveInt
+    state: Literal["preparing", "committed", "aborted"]
+    deadline_ms: PositiveInt | None
+    plans: tuple[dict[str, Any], ...]
+    acknowledged: tuple[str, ...]
+    informed: tuple[str, ...]
+    reason: Text | None

@@ -18,6 +18,7 @@ from index import delegation, selectors, services
 from index.scopekeys import open_scope_key
 from kvsp.problems import ProtocolError
 from kvsp.records import (
+    ReplicaBatchAnswer,
     ReplicaRecord,
     Replicas,
     ScopeKeyAnswer,
@@ -89,7 +90,7 @@ class ReplicaBatchView(APIView):
     """Batch publication (DESIGN.md section 3, an extension of 6.1): many Replica Records in
     one request, each judged as its single PUT would be, every outcome answered in order."""
 
-    @operation("ReplicaBatch", {200: "ReplicaBatchAnswer", 400: PROBLEM, 413: PROBLEM})
+    @operation("ReplicaBatch", {200: ReplicaBatchAnswer, 400: PROBLEM, 413: PROBLEM})
     def post(self, request):
         # A batch whose every record is valid (what holders send) is decoded from its octets
         # in one pass; any other is judged item by item, each told what is wrong with it.
@@ -106,7 +107,7 @@ class ReplicaWithdrawalBatchView(APIView):
     """Batch withdrawal (an extension of 6.1, like batch publication): many replicas, each
     named by the members that name it in its record, each judged as its single DELETE."""
 
-    @operation("ReplicaWithdrawalBatch", {200: "ReplicaBatchAnswer", 400: PROBLEM, 413: PROBLEM})
+    @operation("ReplicaWithdrawalBatch", {200: ReplicaBatchAnswer, 400: PROBLEM, 413: PROBLEM})
     def post(self, request):
         replicas = _batch_items(
             request.data, "replicas", '{"compat_id", "scope_id", "block_key", "holder"}'

@@ -15,11 +15,14 @@ from common.permissions import IsController, IsControllerOrReadOnly
 from index.selectors import lookup
 from kvsp.problems import ProtocolError
 from kvsp.records import (
+    InstanceAnswer,
+    InstancesAnswer,
     InstanceStatusRecord,
     LookupAnswer,
     LookupRequest,
     PlacementAnswer,
     PlacementRequest,
+    ReshardOperationAnswer,
     ShardMap,
 )
 from placement import placements, resharding, services
@@ -64,7 +67,7 @@ class InstanceStateView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
-    @operation("StateChange", {200: "Instance", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
+    @operation("StateChange", {200: InstanceAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
     def put(self, request, name: str):
         state = require_object(request.data).get("state")
         instance = services.do_change_state(name, state)
@@ -72,13 +75,13 @@ class InstanceStateView(APIView):
 
 
 class InstanceListView(APIView):
-    @operation(responses={200: "Instances"})
+    @operation(responses={200: InstancesAnswer})
     def get(self, request):
         return Response({"instances": [instance_json(i) for i in Instance.objects.all()]})
 
 
 class InstanceDetailView(APIView):
-    @operation(responses={200: "Instance", 404: PROBLEM})
+    @operation(responses={200: InstanceAnswer, 404: PROBLEM})
     def get(self, request, name: str):
         instance = Instance.objects.filter(name=name).first()
         if instance is None:
@@ -122,7 +125,7 @@ class ReshardView(APIView):
     permission_classes = [IsAuthenticated, IsController]
 
     @operation(
-        "ReshardRequest", {202: "ReshardOperation", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM}
+        "ReshardRequest", {202: ReshardOperationAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM}
     )
     def post(self, request, map_id: str):
         operation = resharding.do_start_reshard(map_id, request.data)
@@ -137,7 +140,7 @@ class ReshardView(APIView):
 class ReshardOperationView(APIView):
     """The latest attempt of the move to ``to_version``."""
 
-    @operation(responses={200: "ReshardOperation", 404: PROBLEM})
+    @operation(responses={200: ReshardOperationAnswer, 404: PROBLEM})
     def get(self, request, map_id: str, to_version: int):
         operation = readable_reshard(request.user, map_id, to_version)
         if operation is None:

@@ -17,7 +17,7 @@ from common.openapi import PROBLEM, operation
 from common.permissions import may_read_scope
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
-from kvsp.records import CheckpointAnswer, OutputAnswer, SessionCheckpoint
+from kvsp.records import CheckpointAnswer, OutputAnswer, SessionAnswer, SessionCheckpoint
 from sessions import services, streams
 from sessions.models import Session
 
@@ -36,7 +36,7 @@ class CheckpointView(APIView):
 
 
 class SessionView(APIView):
-    @operation(responses={200: "Session", 404: PROBLEM})
+    @operation(responses={200: SessionAnswer, 404: PROBLEM})
     def get(self, request, session: str):
         key = services.parse_session_id(session)
         row = Session.objects.select_related("instance").filter(session=key).first()

@@ -57,9 +57,12 @@ def test_control_plane_schema_states_batch_publication():
             assert "application/problem+json" in operation["responses"][status]["content"]
         answer = operation["responses"]["200"]["content"]["application/kvsp+json"]["schema"]
         assert answer == {"$ref": "#/components/schemas/ReplicaBatchAnswer"}
-    result = schema["components"]["schemas"]["ReplicaBatchAnswer"]["properties"]["results"]
-    assert result["items"]["required"] == ["block_key", "holder", "status", "problem"]
-    assert result["items"]["properties"]["problem"]["nullable"]
+    components = schema["components"]["schemas"]
+    results = components["ReplicaBatchAnswer"]["properties"]["results"]
+    assert results["items"] == {"$ref": "#/components/schemas/BatchResult"}
+    result = components["BatchResult"]
+    assert result["required"] == ["block_key", "holder", "status", "problem"]
+    assert result["properties"]["problem"]["nullable"]
 
 
 @pytest.mark.parametrize("urlconf", ["kvspsite.urls_control", "kvspsite.urls_node"])

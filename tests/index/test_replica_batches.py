@@ -9,8 +9,9 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from index.models import Holder, Replica
-from kvsp.records import encode_moqt_namespace
+from kvsp.records import ReplicaBatchAnswer, encode_moqt_namespace
 from tests.index.test_replicas import COMPAT, path_of
+from tests.support.answers import assert_answers_as
 from tests.support.fixtures import (
     HOLDER_A,
     HOLDER_B,
@@ -30,6 +31,7 @@ BATCH = "/kvsp/replicas"
 def publish(caller, records):
     response = caller.post(BATCH, {"records": records})
     assert response.status_code == 200, response.content
+    assert_answers_as(ReplicaBatchAnswer, body(response))
     return body(response)["results"]
 
 
@@ -252,6 +254,7 @@ def identity(record, holder=None) -> dict:
 def withdraw(caller, identities):
     response = caller.post(WITHDRAWALS, {"replicas": identities})
     assert response.status_code == 200, response.content
+    assert_answers_as(ReplicaBatchAnswer, body(response))
     return body(response)["results"]
 
 

@@ -2,7 +2,12 @@
 
 import pytest
 
-from kvsp.records import MAX_REQUEST_REF_LENGTH, PlacementAnswer
+from kvsp.records import (
+    MAX_REQUEST_REF_LENGTH,
+    InstanceAnswer,
+    InstancesAnswer,
+    PlacementAnswer,
+)
 from placement.models import Directive, Instance
 from tests.placement.conftest import HOLDER
 from tests.support.answers import assert_answers_as
@@ -290,11 +295,14 @@ def test_unregistered_descriptor_is_404(cluster):
 
 def test_instances_are_listed(cluster):
     up("ii1", scope=cluster.scope, running=2)
-    listing = body(cluster.router.get("/kvsp/instances/"))["instances"]
+    listed = body(cluster.router.get("/kvsp/instances/"))
+    assert_answers_as(InstancesAnswer, listed)
+    listing = listed["instances"]
     assert [(i["name"], i["state"], i["running"], i["live"]) for i in listing] == [
         ("ii1", "active", 2, True)
     ]
     detail = body(cluster.router.get("/kvsp/instances/ii1"))
+    assert_answers_as(InstanceAnswer, detail)
     assert detail["url"] == "http://ii1.test/kvsp/"
     assert cluster.router.get("/kvsp/instances/nope").status_code == 404
     assert Instance.objects.count() == 1

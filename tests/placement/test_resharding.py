@@ -5,8 +5,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from kvsp.records import ReshardOperationAnswer
 from placement import resharding
 from placement.models import ReshardOperation, ShardMap
+from tests.support.answers import assert_answers_as
 from tests.support.fixtures import body, make_caller, make_scope, problem_name, random_key
 from tests.support.standin import StandinNode
 from tests.support.waiting import wait_until
@@ -63,6 +65,7 @@ def test_grow_commits_when_every_member_acknowledges(controller, worker):
     current = body(controller.get("/kvsp/shardmaps/ctx-1"))
     assert current["version"] == 5 and len(current["shards"]) == 3
     status = body(controller.get("/kvsp/shardmaps/ctx-1/reshards/5"))
+    assert_answers_as(ReshardOperationAnswer, status)
     assert status["state"] == "committed"
 
 

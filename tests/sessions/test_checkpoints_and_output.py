@@ -7,7 +7,9 @@ import httpx
 import orjson
 import pytest
 
+from kvsp.records import SessionAnswer
 from sessions.models import OutputToken, Session
+from tests.support.answers import assert_answers_as
 from tests.support.fixtures import body, make_instance, problem_name, report, status_record
 
 pytestmark = pytest.mark.django_db
@@ -242,7 +244,9 @@ def test_sessions_of_another_scope_look_missing(cluster, node, session_id):
     hidden = outsider.get(f"/kvsp/sessions/{session_id}")
     absent = outsider.get(f"/kvsp/sessions/{uuid.uuid4()}")
     assert hidden.status_code == absent.status_code == 404
-    assert body(cluster.router.get(f"/kvsp/sessions/{session_id}"))["epoch"] == 1
+    seen = body(cluster.router.get(f"/kvsp/sessions/{session_id}"))
+    assert_answers_as(SessionAnswer, seen)
+    assert seen["epoch"] == 1
 
 
 @pytest.mark.django_db(transaction=True)
