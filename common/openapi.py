@@ -23,6 +23,8 @@ import msgspec
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 
 from kvsp.records import (
+    MAX_DEADLINE_MS,
+    MAX_OUTPUT_TOKENS_PER_POST,
     MAX_URL_LENGTH,
     BlockBatchRequest,
     CheckpointAnswer,
@@ -38,6 +40,7 @@ from kvsp.records import (
     LookupAnswer,
     LookupRequest,
     OutputAnswer,
+    OutputToken,
     PlacementAnswer,
     PlacementRequest,
     PrefetchDirective,
@@ -49,18 +52,20 @@ from kvsp.records import (
     ReshardMoveAnswer,
     ReshardOperationAnswer,
     ReshardPlan,
+    ReshardRequest,
     ResumeRequest,
     ScopeKeyAnswer,
     SessionAdmitted,
     SessionAnswer,
     SessionCheckpoint,
     ShardMap,
+    StateAnswer,
+    StateChange,
     TokenGrant,
     TokenIntrospection,
     TokenIntrospectionRequest,
     TokenRequest,
 )
-from kvsp.sharding import MAX_DEADLINE_MS
 
 JSON_TYPES = ("application/kvsp+json", "application/json")
 BLOCK_TYPE = "application/kvsp-block"
@@ -77,9 +82,6 @@ def _hex(octets: int) -> dict:
 _URL = {"type": "string", "pattern": "^https?://[^/]+/.*/$", "maxLength": MAX_URL_LENGTH}
 _INT = {"type": "integer", "minimum": 0, "maximum": 9007199254740991}
 _POSITIVE = {"type": "integer", "minimum": 1, "maximum": 9007199254740991}
-_TOKEN = {"type": "integer", "minimum": 0, "maximum": 4294967295}
-_RANGE = {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}
-_RESHARD_DEADLINE = {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS}
 _ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
 
 
@@ -104,7 +106,10 @@ RECORD_TYPES = (
     TokenGrant,
     TokenIntrospectionRequest,
     TokenIntrospection,
+    StateChange,
+    OutputToken,
     ShardMap,
+    ReshardRequest,
     ReshardPlan,
     ReshardCommit,
     ReshardAbort,
@@ -117,6 +122,7 @@ RECORD_TYPES = (
     Replicas,
     LookupAnswer,
     PlacementAnswer,
+    StateAnswer,
     ScopeKeyAnswer,
     CheckpointAnswer,
     OutputAnswer,
@@ -226,21 +232,16 @@ SCHEMAS = {
         },
         ["replicas"],
     ),
-    "StateAnswer": _object(
-        {"state": {"type": "string", "enum": ["active", "draining", "sleeping", "failed"]}},
-        ["state"],
-    ),
-    "StateChange": _object(
-        {"state": {"type": "string", "enum": ["active", "draining", "sleeping"]}}, ["state"]
-    ),
-    "OutputToken": _object(
-        {"epoch": _INT, "index": _INT, "token": _TOKEN, "final": {"type": "boolean"}},
-        ["epoch", "index", "token"],
-    ),
+    # One output token, or an array of them.
     "OutputPost": {
         "oneOf": [
             _ref("OutputToken"),
-            {"type": "array", "items": _ref("OutputToken"), "minItems": 1, "maxItems": 4096},
+            {
+                "type": "array",
+                "items": _ref("OutputToken"),
+                "minItems": 1,
+                "maxItems": MAX_OUTPUT_TOKENS_PER_POST,
+            },
         ]
     },
     "Output": _object(
@@ -252,17 +253,6 @@ SCHEMAS = {
             "complete": {"type": "boolean"},
         },
         ["session", "epoch", "state", "tokens", "complete"],
-    ),
-    "ReshardRequest": _object(
-        {
-            "shards": {
-                "type": "array",
-                "minItems": 1,
-                "items": _object({"tokens": _RANGE, "instance": _URL}, ["tokens", "instance"]),
-            },
-            "deadline_ms": _RESHARD_DEADLINE,
-        },
-        ["shards", "deadline_ms"],
     ),
 }
 

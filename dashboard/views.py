@@ -32,6 +32,7 @@ from dashboard.sections import Page
 from index.models import Tier
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
+from kvsp.records import StateChange
 from placement import resharding
 from placement.models import InstanceState
 from sessions.services import parse_session_id
@@ -203,7 +204,8 @@ def change_state(request, name: str):
         return _refused(request, default, "You may not change the state of instances.")
     requested = request.POST.get("state", "")
     try:
-        changed = placement.services.do_change_state(name, requested)
+        change = StateChange.from_json({"state": requested})
+        changed = placement.services.do_change_state(name, change.state)
     except ProtocolError as error:
         return _refused(request, default, f"{name}: {error.detail}")
     if requested == InstanceState.SLEEPING and changed.state == InstanceState.DRAINING:

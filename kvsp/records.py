@@ -62,6 +62,7 @@ from kvsp.registries import (
 from kvsp.states import (
     FIRST_SESSION_EPOCH,
     REQUESTABLE_INSTANCE_STATES,
+    SETTABLE_INSTANCE_STATES,
     DirectiveState,
     InstanceState,
     ReshardPhase,
@@ -1225,6 +1226,22 @@ class InstanceStatusRecord(WireRecord, frozen=True, kw_only=True):
         return {"links": limits.max_links, "compat_ids": limits.max_compat_ids}
 
 
+class StateChange(WireRecord, frozen=True):
+    """PUT {ii-base}state, the PC's decision, and PUT instances/{name}/state, an operator's
+    (6.3): the state the instance is to take. Asking for "sleeping" drains it first."""
+
+    NAME: ClassVar[str] = "state change"
+
+    state: Annotated[
+        str,
+        _rule(_choice_rule(SETTABLE_INSTANCE_STATES), {"enum": sorted(SETTABLE_INSTANCE_STATES)}),
+    ]
+
+    @_rules
+    def __post_init__(self) -> None:
+        _check_choice(self.state, ("state",), SETTABLE_INSTANCE_STATES)
+
+
 # --- Session Checkpoint (4.4, 6.8) ------------------------------------------------------------
 
 
@@ -1373,6 +1390,51 @@ class SessionCheckpoint(WireRecord, frozen=True):
             "prompt_tail": limits.max_tokens,
             "generated": limits.max_tokens,
         }
+
+
+# --- Output tokens (6.8) ------------------------------------------------------------------------
+
+# The most output tokens one POST output carries.
+MAX_OUTPUT_TOKENS_PER_POST = 4096
+# The front end keeps the epoch and index of each output token in 32-bit signed columns.
+_OUTPUT_COUNT_MAX = 2**31 - 1
+_OutputCount = Annotated[
+    int,
+    _rule(f"must be an integer from 0 to {_OUTPUT_COUNT_MAX}", ge=0, le=_OUTPUT_COUNT_MAX),
+]
+
+
+class OutputToken(WireRecord, frozen=True):
+    """One output token of a session as its instance posts it to the front end (6.8): the
+    epoch it was generated under, its index in the session's output, and ``final`` on the
+    session's last token."""
+
+    # Every bound is in the types, checked in C as a token is decoded, and no rule spans
+    # members: so no __post_init__, whose Python call per token would cost more than the
+    # decoding of the token (output is posted for every token a session generates).
+
+    NAME: ClassVar[str] = "output token"
+
+    epoch: _OutputCount
+    index: _OutputCount
+    token: Annotated[int, _rule(f"must be an integer from 0 to {UINT32_MAX}", ge=0, le=UINT32_MAX)]
+    final: Annotated[bool, _rule("must be true or false")] | None = None
+
+
+_OutputTokens = tuple[OutputToken, ...]
+
+
+def parse_output_post(obj: object) -> tuple[OutputToken, ...]:
+    """The body of POST sessions/{session}/output (6.8), decoded: one output token, or an
+    array of 1 to ``MAX_OUTPUT_TOKENS_PER_POST``. A lone token is entry [0], as in an array,
+    so that an error names it the same way."""
+    items = obj if isinstance(obj, list) else [obj]
+    if not 1 <= len(items) <= MAX_OUTPUT_TOKENS_PER_POST:
+        _fail((), f"post 1 to {MAX_OUTPUT_TOKENS_PER_POST} output tokens")
+    try:
+        return msgspec.convert(items, _OutputTokens)
+    except msgspec.ValidationError as error:
+        raise _invalid(_OutputTokens, error) from None
 
 
 # --- Lookup (6.2) and placement (6.4) requests ------------------------------------------------
@@ -2041,6 +2103,9 @@ class TokenIntrospection(WireRecord, frozen=True):
 # --- Shard Map and reshard messages (6.9, DESIGN.md section 3) --------------------------------
 
 TokenRange = tuple[int, int]  # half-open [start, end)
+# The longest prepare phase a reshard may have, so that neither the controller's operation nor
+# a member's request waiting on its loads is held open without bound.
+MAX_DEADLINE_MS = 600_000
 TokenRangeMember = Annotated[tuple[Count, Count], _rule("must be [start, end]")]
 
 
@@ -2237,11 +2302,46 @@ def parse_reshard_body(
     return ReshardPlan.from_json(obj, limits)
 
 
+class ReshardRequest(WireRecord, frozen=True):
+    """POST shardmaps/{map}/reshard (DESIGN.md section 3): the shards of the map's next
+    version, and the time its members have to prepare. That there is a shard and that the
+    shards are contiguous are the rules of the next Shard Map, which the PC checks as it makes
+    it. A ``context`` for the next version (the map's extension member) is read beside the
+    record, as with a Shard Map."""
+
+    NAME: ClassVar[str] = "reshard request"
+
+    shards: Annotated[tuple[Shard, ...], _rule("must be an array of shards", {"minItems": 1})]
+    deadline_ms: Annotated[
+        int,
+        _rule(f"must be an integer from 1 to {MAX_DEADLINE_MS}", ge=1, le=MAX_DEADLINE_MS),
+    ]
+
+    @_rules
+    def __post_init__(self) -> None:
+        _check_tuple(self.shards, ("shards",))
+        for index, shard in enumerate(self.shards):
+            if not isinstance(shard, Shard):
+                _fail(("shards", index), "must be a shard")
+        _check_int(self.deadline_ms, ("deadline_ms",), 1, MAX_DEADLINE_MS)
+
+    @classmethod
+    def _array_bounds(cls, limits: Limits) -> Mapping[str, int]:
+        return {"shards": limits.max_shards}
+
+
 # --- Answers the API builds (DESIGN.md section 3) ---------------------------------------------
 #
 # Structs for the same reason as the records: the OpenAPI description is generated from them, so
 # it states what the views send. The server builds them and nothing here decodes them, so they
 # carry no rules beyond their types.
+
+
+class StateAnswer(WireRecord, frozen=True):
+    """The state of an instance: the PC's answer to its status report (6.3), and a node's to
+    PUT state."""
+
+    state: Annotated[str, _rule(_choice_rule(InstanceState), {"enum": sorted(InstanceState)})]
 
 
 class ScopeKeyAnswer(WireRecord, frozen=True):

@@ -20,10 +20,6 @@ from collections.abc import Iterable, Sequence
 
 from kvsp.records import FetchRange, ReshardPlan, Shard, ShardMap, TokenRange
 
-# The longest prepare phase a reshard may have, so that neither the controller's operation nor
-# a member's request waiting on its loads is held open without bound.
-MAX_DEADLINE_MS = 600_000
-
 # --- Range arithmetic on half-open ranges -----------------------------------------------------
 
 

@@ -188,6 +188,12 @@ ASSIGNABLE_INSTANCE_STATES = frozenset({InstanceState.ACTIVE})
 # waking is the PC's decision alone.
 REQUESTABLE_INSTANCE_STATES = frozenset({InstanceState.SLEEPING})
 
+# The states an operator or the PC may set with PUT state (6.3): "failed" is the PC's view of an
+# instance whose record expired, never a state it is asked to take.
+SETTABLE_INSTANCE_STATES = frozenset(
+    {InstanceState.ACTIVE, InstanceState.DRAINING, InstanceState.SLEEPING}
+)
+
 
 # --- Prefetch directive states (spec 6.5, DESIGN.md section 3) --------------------------------
 

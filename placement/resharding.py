@@ -235,14 +235,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
     The body may carry a ``context`` for version v+1 that extends the map's (the same context
     with more complete blocks); without one, v+1 has the map's context.
     """
-    deadline_ms = require_object(body).get("deadline_ms")
-    if type(deadline_ms) is not int or not 1 <= deadline_ms <= sharding.MAX_DEADLINE_MS:
-        raise ProtocolError(
-            "kvsp-invalid-record", f"deadline_ms: an integer from 1 to {sharding.MAX_DEADLINE_MS}"
-        )
-    shards = body.get("shards")
-    if not isinstance(shards, list):
-        raise ProtocolError("kvsp-invalid-record", "shards: must be an array of shards")
+    asked = records.ReshardRequest.from_json(require_object(body))
     now = timezone.now()
     with transaction.atomic():
         row = ShardMap.objects.select_for_update().filter(map=map_id).first()
@@ -251,9 +244,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
         if row.operations.filter(phase=ReshardPhase.PREPARING).exists():
             raise ProtocolError("kvsp-conflict", f"a reshard of {map_id} is under way")
         current = _record(row)
-        following = records.ShardMap.from_json(
-            {"map": map_id, "version": current.version + 1, "shards": shards}
-        )
+        following = records.ShardMap(map=map_id, version=current.version + 1, shards=asked.shards)
         context = _context_of(row)
         if body.get("context") is not None:
             given = _checked_context(body["context"], current, following)
@@ -266,7 +257,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
             context = given
         elif context is not None:
             context.check_shards(following)
-        plans = sharding.plan_reshard(current, following.shards, deadline_ms)
+        plans = sharding.plan_reshard(current, following.shards, asked.deadline_ms)
         # Earlier attempts at this version were all aborted (none is preparing, and a commit
         # would have moved the map past it): this one is numbered after them.
         attempt = 1 + max(
@@ -280,7 +271,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
             attempt=attempt,
             next_shards=following.to_json()["shards"],
             next_context=None if context is None else context.to_json(),
-            deadline_ms=deadline_ms,
+            deadline_ms=asked.deadline_ms,
             plans=[
                 {
                     **plan.to_json(),
@@ -290,7 +281,7 @@ def do_start_reshard(map_id: str, body: object) -> ReshardOperation:
                 for plan in plans
             ],
             started_at=now,
-            deadline_at=now + timedelta(milliseconds=deadline_ms),
+            deadline_at=now + timedelta(milliseconds=asked.deadline_ms),
         )
         transaction.on_commit(lambda: _drive_later(operation.pk))
     return operation

@@ -23,7 +23,7 @@ from django.utils import timezone
 from common.tasks import enqueue, run_now_by_name
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
-from kvsp.records import InstanceStatusRecord, base_url_rule_broken
+from kvsp.records import InstanceStatusRecord, StateAnswer, base_url_rule_broken
 from kvsp.states import DIRECTIVE_STATES, INSTANCE_LIFECYCLE, DirectiveEvent, InstanceEvent
 from placement import policy
 from placement.models import Directive, Instance, InstanceState, StatusSample
@@ -92,7 +92,7 @@ class StatusAnswer:
     restarted: bool
 
     def to_json(self) -> dict:
-        return {"state": self.state}
+        return StateAnswer(state=self.state).to_json()
 
 
 def do_report_status(principal, name: str, body: object, *, now=None) -> StatusAnswer:
@@ -263,13 +263,10 @@ _REQUESTED_EVENT = {
 
 
 def do_change_state(name: str, requested: str, *, now=None) -> Instance:
-    """An operator's or the PC's state change (spec 6.3), carried out with PUT state on the
-    instance by a task that retries until the instance has it.
+    """An operator's or the PC's state change (spec 6.3) to ``requested``, a state a
+    ``StateChange`` allows, carried out with PUT state on the instance by a task that retries
+    until the instance has it.
     """
-    if not isinstance(requested, str) or requested not in _REQUESTED_EVENT:
-        raise ProtocolError(
-            "kvsp-invalid-record", "state: must be one of active, draining, sleeping"
-        )
     now = now or timezone.now()
     with transaction.atomic():
         instance = Instance.objects.select_for_update().filter(name=name).first()

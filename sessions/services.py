@@ -26,7 +26,13 @@ from index.scopekeys import open_scope_key
 from kvsp import blockkeys
 from kvsp.hexids import parse_uuid
 from kvsp.problems import ProtocolError
-from kvsp.records import CheckpointAnswer, OutputAnswer, SessionCheckpoint
+from kvsp.records import (
+    CheckpointAnswer,
+    InvalidRecord,
+    OutputAnswer,
+    SessionCheckpoint,
+    parse_output_post,
+)
 from kvsp.states import (
     SESSION_STATES,
     EpochRole,
@@ -42,7 +48,6 @@ from sessions.models import OutputToken, Session, SessionState
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS_PER_POST = 4096
 # Unanswered sends of one resume before the session is resumed elsewhere.
 MAX_RESUME_ATTEMPTS = 6
 
@@ -168,46 +173,18 @@ def _timings(body: dict) -> dict | None:
         raise ProtocolError("kvsp-invalid-record", str(error)) from None
 
 
-@dataclass(frozen=True)
-class PostedToken:
-    epoch: int
-    index: int
-    token: int
-    final: bool
-
-
-def _parse_output(body: object) -> list[PostedToken]:
-    items = body if isinstance(body, list) else [body]
-    if not items or len(items) > MAX_TOKENS_PER_POST:
-        raise ProtocolError(
-            "kvsp-malformed-request", f"post 1 to {MAX_TOKENS_PER_POST} output tokens"
-        )
-    parsed = []
-    for position, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise ProtocolError("kvsp-malformed-request", f"[{position}]: must be an object")
-        values = []
-        for member, limit in (("epoch", 2**31), ("index", 2**31), ("token", 2**32)):
-            value = item.get(member)
-            if type(value) is not int or not 0 <= value < limit:
-                raise ProtocolError(
-                    "kvsp-malformed-request", f"[{position}].{member}: a non-negative integer"
-                )
-            values.append(value)
-        final = item.get("final", False)
-        if type(final) is not bool:
-            raise ProtocolError("kvsp-malformed-request", f"[{position}].final: true or false")
-        parsed.append(PostedToken(*values, final))
-    return parsed
-
-
 def do_post_output(principal, session_id: str, body: object, *, now=None) -> OutputAnswer:
     """POST sessions/{session}/output: the front end keeps each index once and refuses tokens
     of a lower epoch than the session's (6.8). With a non-deterministic sampler, a token not
     yet covered by an acknowledged checkpoint is refused too: the instance must not release it.
     """
     key = parse_session_id(session_id)
-    tokens = _parse_output(body)
+    try:
+        tokens = parse_output_post(body)
+    except InvalidRecord as error:
+        # Output tokens are not a record of the spec: a post the core refuses is a malformed
+        # request (400), its detail naming the member and the rule broken.
+        raise ProtocolError("kvsp-malformed-request", error.detail) from None
     now = now or timezone.now()
     with transaction.atomic():
         session = Session.objects.select_for_update().filter(session=key).first()

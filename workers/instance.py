@@ -14,14 +14,12 @@ import time
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from kvsp.problems import ProtocolError
 from kvsp.states import (
     INSTANCE_LIFECYCLE,
     SERVED_SESSION_STATES,
     InstanceEvent,
     ServedSessionEvent,
 )
-from workers import selectors
 from workers.models import MeasuredLink, Node, NodeState, ServedSession, ServedSessionState
 
 log = logging.getLogger(__name__)
@@ -43,15 +41,6 @@ def lock_node(name: str) -> Node:
         ensure_node(name)
         node = Node.objects.select_for_update().get(name=name)
     return node
-
-
-def do_set_state(state: object) -> Node:
-    """PUT state (6.3): record the state the PC asked for."""
-    if state not in NodeState.values:
-        raise ProtocolError(
-            "kvsp-invalid-record", "state: must be one of " + ", ".join(NodeState.values)
-        )
-    return do_apply_pc_state(selectors.node_name(), state)
 
 
 def do_apply_pc_state(name: str, state: str) -> Node:

@@ -59,11 +59,11 @@ from django.db.models import Q
 from django.utils import timezone
 
 from common.tasks import enqueue, instance_queue
-from kvsp import sharding
 from kvsp.hexids import is_hex
 from kvsp.problems import ProtocolError
 from kvsp.records import (
     DEFAULT_LIMITS,
+    MAX_DEADLINE_MS,
     UINT32_MAX,
     InvalidRecord,
     ReshardAbort,
@@ -212,10 +212,8 @@ def do_prepare(plan: ReshardPlan, body: dict) -> ReshardMove:
         raise InvalidRecord(
             ("instance",), f"the plan is for {plan.instance}, not for this instance"
         )
-    if plan.deadline_ms > sharding.MAX_DEADLINE_MS:
-        raise InvalidRecord(
-            ("deadline_ms",), f"must be an integer from 1 to {sharding.MAX_DEADLINE_MS}"
-        )
+    if plan.deadline_ms > MAX_DEADLINE_MS:
+        raise InvalidRecord(("deadline_ms",), f"must be an integer from 1 to {MAX_DEADLINE_MS}")
     blocks = PlanBlocks.of(plan, body)
     document = plan.to_json()
     if blocks is not None:

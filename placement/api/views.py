@@ -23,7 +23,10 @@ from kvsp.records import (
     PlacementAnswer,
     PlacementRequest,
     ReshardOperationAnswer,
+    ReshardRequest,
     ShardMap,
+    StateAnswer,
+    StateChange,
 )
 from placement import placements, resharding, services
 from placement.models import Instance
@@ -56,7 +59,7 @@ class LookupView(APIView):
 class InstanceStatusView(APIView):
     """PUT an Instance Status Record (6.3); the answer carries the state the PC decided."""
 
-    @operation(InstanceStatusRecord, {200: "StateAnswer", 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
+    @operation(InstanceStatusRecord, {200: StateAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
     def put(self, request, name: str):
         answer = services.do_report_status(request.user, name, request.data)
         return Response(answer.to_json())
@@ -67,10 +70,10 @@ class InstanceStateView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
-    @operation("StateChange", {200: InstanceAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
+    @operation(StateChange, {200: InstanceAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM})
     def put(self, request, name: str):
-        state = require_object(request.data).get("state")
-        instance = services.do_change_state(name, state)
+        change = StateChange.from_json(require_object(request.data))
+        instance = services.do_change_state(name, change.state)
         return Response(instance_json(instance))
 
 
@@ -125,7 +128,7 @@ class ReshardView(APIView):
     permission_classes = [IsAuthenticated, IsController]
 
     @operation(
-        "ReshardRequest", {202: ReshardOperationAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM}
+        ReshardRequest, {202: ReshardOperationAnswer, 403: PROBLEM, 404: PROBLEM, 409: PROBLEM}
     )
     def post(self, request, map_id: str):
         operation = resharding.do_start_reshard(map_id, request.data)

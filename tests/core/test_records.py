@@ -17,6 +17,8 @@ from kvsp.container import replica_digest
 from kvsp.problems import ProtocolError
 from kvsp.records import (
     DEFAULT_LIMITS,
+    MAX_DEADLINE_MS,
+    MAX_OUTPUT_TOKENS_PER_POST,
     MAX_SAFE_INTEGER,
     UINT32_MAX,
     UINT64_MAX,
@@ -33,20 +35,24 @@ from kvsp.records import (
     Limits,
     Link,
     LookupRequest,
+    OutputToken,
     PlacementRequest,
     PrefetchDirective,
     ReplicaRecord,
     ReshardAbort,
     ReshardCommit,
     ReshardPlan,
+    ReshardRequest,
     ResidencyEntry,
     ResumeRequest,
     Sampler,
     SessionCheckpoint,
     Shard,
     ShardMap,
+    StateChange,
     encode_moqt_namespace,
     parse_moqt_namespace,
+    parse_output_post,
     parse_reshard_body,
 )
 
@@ -205,6 +211,9 @@ DOCS = {
     ReshardPlan: plan_doc,
     ReshardCommit: lambda: {"map": "c3f8...e1", "commit": 5},
     ReshardAbort: lambda: {"map": "c3f8...e1", "abort": 5},
+    ReshardRequest: lambda: {"shards": shard_map_doc()["shards"], "deadline_ms": 30000},
+    StateChange: lambda: {"state": "draining"},
+    OutputToken: lambda: {"epoch": 2, "index": 17, "token": 4099},
     LookupRequest: lookup_doc,
     PlacementRequest: placement_doc,
 }
@@ -1097,6 +1106,119 @@ def test_parse_reshard_body():
         parse_reshard_body([plan_doc()])
 
 
+def test_reshard_request():
+    shards = shard_map_doc()["shards"]
+    asked = ReshardRequest.from_json({"shards": shards, "deadline_ms": MAX_DEADLINE_MS})
+    assert asked.shards == ShardMap.from_json(shard_map_doc()).shards
+    for doc, detail in [
+        (
+            {"shards": shards, "deadline_ms": 0},
+            f"deadline_ms: must be an integer from 1 to {MAX_DEADLINE_MS}",
+        ),
+        (
+            {"shards": shards, "deadline_ms": MAX_DEADLINE_MS + 1},
+            "deadline_ms: must be an integer from 1",
+        ),
+        ({"shards": shards, "deadline_ms": 1.0}, "deadline_ms: must be an integer from 1"),
+        ({"shards": shards, "deadline_ms": True}, "deadline_ms: must be an integer from 1"),
+        ({"shards": shards}, "deadline_ms: required member is missing"),
+        ({"shards": "x", "deadline_ms": 1}, "shards: must be an array of shards"),
+        (
+            {"shards": [{"tokens": [5, 1], "instance": H1}], "deadline_ms": 1},
+            "shards[0].tokens: start must be less than end",
+        ),
+        (
+            {"shards": [{"tokens": [0, 1], "instance": "moqt://h/"}], "deadline_ms": 1},
+            "shards[0].instance: must be an http or https",
+        ),
+    ]:
+        rejects(ReshardRequest, doc, detail)
+    # That there is a shard, and that the shards are contiguous, are the next map's rules: the
+    # PC checks them as it makes that map, after it has found the current one.
+    assert ReshardRequest.from_json({"shards": [], "deadline_ms": 1}).shards == ()
+    gap = [{"tokens": [0, 5], "instance": H1}, {"tokens": [6, 9], "instance": H2}]
+    asked = ReshardRequest.from_json({"shards": gap, "deadline_ms": 1})
+    with pytest.raises(InvalidRecord, match=r"shards\[1\].tokens: must start at 5"):
+        ShardMap("m", 2, asked.shards)
+    with pytest.raises(InvalidRecord, match=r"shards\[0\]: must be a shard"):
+        ReshardRequest(((0, 5),), 1)
+    too_many = [{"tokens": [i, i + 1], "instance": H1} for i in range(3)]
+    rejects(
+        ReshardRequest,
+        {"shards": too_many, "deadline_ms": 1},
+        "shards: has 3 entries; at most 2",
+        Limits(max_shards=2),
+    )
+
+
+def test_state_change():
+    assert StateChange.from_json({"state": "sleeping"}).state == "sleeping"
+    for value in ["failed", "", "Active", None, 1, ["active"]]:
+        rejects(
+            StateChange, {"state": value}, 'state: must be one of "active", "draining", "sleeping"'
+        )
+    with pytest.raises(InvalidRecord, match='state: must be one of "active"'):
+        StateChange("failed")
+
+
+def test_output_post_is_one_token_or_an_array_of_them():
+    one = {"epoch": 1, "index": 0, "token": 7}
+    assert parse_output_post(one) == (OutputToken(1, 0, 7),)
+    most = [{**one, "index": i} for i in range(MAX_OUTPUT_TOKENS_PER_POST)]
+    assert len(parse_output_post(most)) == MAX_OUTPUT_TOKENS_PER_POST
+    # A null "final" counts as absent: not the last token.
+    assert parse_output_post([{**one, "final": None}, {**one, "final": True}]) == (
+        OutputToken(1, 0, 7),
+        OutputToken(1, 0, 7, True),
+    )
+    assert OutputToken(1, 0, 7, True).to_json() == {**one, "final": True}
+
+
+@pytest.mark.parametrize(
+    ("body", "detail"),
+    [
+        ([], "post 1 to 4096 output tokens"),
+        ([{"epoch": 1, "index": 0, "token": 7}] * 4097, "post 1 to 4096 output tokens"),
+        ("x", "[0]: must be a JSON object"),
+        ([{"epoch": 1, "index": 0, "token": 7}, 5], "[1]: must be a JSON object"),
+        ({"epoch": 1, "index": 0}, "[0].token: required member is missing"),
+        (
+            {"epoch": -1, "index": 0, "token": 7},
+            "[0].epoch: must be an integer from 0 to 2147483647",
+        ),
+        (
+            {"epoch": 2**31, "index": 0, "token": 7},
+            "[0].epoch: must be an integer from 0 to 2147483647",
+        ),
+        (
+            {"epoch": True, "index": 0, "token": 7},
+            "[0].epoch: must be an integer from 0 to 2147483647",
+        ),
+        (
+            {"epoch": 1, "index": 1.0, "token": 7},
+            "[0].index: must be an integer from 0 to 2147483647",
+        ),
+        (
+            {"epoch": 1, "index": 2**31, "token": 7},
+            "[0].index: must be an integer from 0 to 2147483647",
+        ),
+        (
+            {"epoch": 1, "index": 0, "token": 2**32},
+            f"[0].token: must be an integer from 0 to {UINT32_MAX}",
+        ),
+        (
+            {"epoch": 1, "index": 0, "token": "7"},
+            f"[0].token: must be an integer from 0 to {UINT32_MAX}",
+        ),
+        ({"epoch": 1, "index": 0, "token": 7, "final": 1}, "[0].final: must be true or false"),
+    ],
+)
+def test_output_post_rejects(body, detail):
+    with pytest.raises(InvalidRecord) as caught:
+        parse_output_post(body)
+    assert caught.value.detail == detail
+
+
 def test_shard_and_instance_urls_in_code():
     with pytest.raises(InvalidRecord, match="instance: must be an http or https URL"):
         Shard((0, 1), "moqt://x.example/")
@@ -1342,6 +1464,19 @@ RECORD_STRATEGIES = {
     ReshardPlan: reshard_plans(),
     ReshardCommit: st.builds(ReshardCommit, map_ids, positive_ints),
     ReshardAbort: st.builds(ReshardAbort, map_ids, positive_ints),
+    ReshardRequest: st.builds(
+        ReshardRequest,
+        shard_maps().map(lambda shard_map: shard_map.shards),
+        st.integers(1, MAX_DEADLINE_MS),
+    ),
+    StateChange: st.builds(StateChange, st.sampled_from(["active", "draining", "sleeping"])),
+    OutputToken: st.builds(
+        OutputToken,
+        st.integers(0, 2**31 - 1),
+        st.integers(0, 2**31 - 1),
+        uint32,
+        st.none() | st.booleans(),
+    ),
     LookupRequest: lookups,
     PlacementRequest: placements,
 }
@@ -1383,7 +1518,7 @@ json_values = st.recursive(
 
 
 def decoders():
-    return [cls.from_json for cls in RECORD_STRATEGIES] + [parse_reshard_body]
+    return [cls.from_json for cls in RECORD_STRATEGIES] + [parse_reshard_body, parse_output_post]
 
 
 def only_protocol_errors(decode, value) -> None:

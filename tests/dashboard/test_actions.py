@@ -42,8 +42,8 @@ def test_sleep_drains_first_and_wake_activates(admin_client, scene):
 @pytest.mark.parametrize(
     ("name", "state", "message"),
     [
-        ("ii1", "failed", "ii1: state: must be one of active, draining, sleeping"),
-        ("ii1", "", "ii1: state: must be one of active, draining, sleeping"),
+        ("ii1", "failed", 'ii1: state: must be one of "active", "draining", "sleeping"'),
+        ("ii1", "", 'ii1: state: must be one of "active", "draining", "sleeping"'),
         ("ghost", "draining", "ghost: no instance 'ghost' is registered"),
     ],
 )

@@ -58,6 +58,8 @@ from kvsp.records import (
     ReshardPlan,
     ResumeRequest,
     SessionAdmitted,
+    StateAnswer,
+    StateChange,
     parse_reshard_body,
 )
 from kvsp.reprdigest import claimed_sha256, verify_repr_digest
@@ -284,10 +286,11 @@ class StateView(APIView):
 
     permission_classes = [IsAuthenticated, IsController]
 
-    @operation("StateChange", {200: "StateAnswer", 403: PROBLEM, 409: PROBLEM})
+    @operation(StateChange, {200: StateAnswer, 403: PROBLEM, 409: PROBLEM})
     def put(self, request):
-        node = instance.do_set_state(require_object(request.data).get("state"))
-        return Response({"state": node.state})
+        change = StateChange.from_json(require_object(request.data))
+        node = instance.do_apply_pc_state(selectors.node_name(), change.state)
+        return Response(StateAnswer(state=node.state).to_json())
 
 
 class GenerateView(APIView):
