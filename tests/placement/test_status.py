@@ -96,6 +96,21 @@ def test_a_failed_instance_is_not_woken_by_an_operator(ii1):
     assert (instance.state, instance.state_version) == ("failed", 0)
 
 
+def test_an_operator_may_ask_only_for_a_state_an_instance_can_be_asked_to_take(ii1):
+    report(ii1, "ii1", status_record(URL, epoch=1))
+    controller = make_caller("pc", controller=True)
+    for state in ["failed", "asleep", None, 3]:
+        refused = controller.put("/kvsp/instances/ii1/state", {"state": state})
+        assert refused.status_code == 422 and problem_name(refused) == "kvsp-invalid-record"
+        assert body(refused)["detail"] == 'state: must be one of "active", "draining", "sleeping"'
+    missing = controller.put("/kvsp/instances/ii1/state", {})
+    assert body(missing)["detail"] == "state: required member is missing"
+    assert Instance.objects.get().state_version == 0
+    assert body(controller.put("/kvsp/instances/ii1/state", {"state": "draining"}))["state"] == (
+        "draining"
+    )
+
+
 def directive_of(instance: Instance, **fields) -> Directive:
     return Directive.objects.create(
         instance=instance,

@@ -145,6 +145,28 @@ def test_each_index_is_delivered_once(cluster, node, session_id):
     assert [(t["index"], t["token"]) for t in tokens] == [(0, 40), (1, 41), (2, 42), (3, 99)]
 
 
+def test_a_malformed_post_names_the_token_and_the_rule(cluster, node, session_id):
+    put(node, session_id, checkpoint(cluster, session_id))
+    for tokens, detail in [
+        ([], "post 1 to 4096 output tokens"),
+        ({"epoch": 1, "index": 0}, "[0].token: required member is missing"),
+        ({"epoch": 1, "index": 0, "token": -1}, "[0].token: must be an integer from 0 to"),
+        (
+            [{"epoch": 1, "index": 0, "token": 5}, {"epoch": 1, "index": 1.5, "token": 5}],
+            "[1].index:",
+        ),
+        ({"epoch": 1, "index": 0, "token": 5, "final": "yes"}, "[0].final: must be true or false"),
+    ]:
+        refused = post(node, session_id, tokens)
+        assert refused.status_code == 400 and problem_name(refused) == "kvsp-malformed-request"
+        assert body(refused)["detail"].startswith(detail), body(refused)
+    assert not OutputToken.objects.exists()
+    # A null "final" counts as absent.
+    taken = post(node, session_id, {"epoch": 1, "index": 0, "token": 5, "final": None})
+    assert body(taken)["stored"] == [0]
+    assert Session.objects.get().final_length is None
+
+
 def test_tokens_of_a_lower_epoch_are_refused(cluster, node, session_id):
     put(node, session_id, checkpoint(cluster, session_id))
     Session.objects.update(epoch=2)
