@@ -29,6 +29,7 @@ from kvsp.records import (
     BlockBatchRequest,
     CheckpointAnswer,
     CompatibilityDescriptor,
+    DeliveredOutput,
     DirectiveStatusRecord,
     GenerateRequest,
     InstanceAnswer,
@@ -114,6 +115,7 @@ RECORD_TYPES = (
     ReshardCommit,
     ReshardAbort,
     # Answers the views build.
+    DeliveredOutput,
     ReplicaBatchAnswer,
     InstanceAnswer,
     InstancesAnswer,
@@ -244,16 +246,6 @@ SCHEMAS = {
             },
         ]
     },
-    "Output": _object(
-        {
-            "session": {"type": "string"},
-            "epoch": _INT,
-            "state": {"type": "string"},
-            "tokens": {"type": "array", "items": _ref("OutputToken")},
-            "complete": {"type": "boolean"},
-        },
-        ["session", "epoch", "state", "tokens", "complete"],
-    ),
 }
 
 _SEGMENT = {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"}

@@ -1421,6 +1421,19 @@ class OutputToken(WireRecord, frozen=True):
     final: Annotated[bool, _rule("must be true or false")] | None = None
 
 
+class DeliveredOutput(WireRecord, frozen=True, kw_only=True):
+    """GET sessions/{session}/output (6.8): the session's epoch and state, the tokens the front
+    end delivered after the index asked for, and whether the session's output is complete.
+    Written from the front end's rows (``sessions.selectors.output_after``), which the output
+    stream reads too."""
+
+    session: Uuid
+    epoch: Count
+    state: Text
+    tokens: tuple[OutputToken, ...]
+    complete: bool
+
+
 _OutputTokens = tuple[OutputToken, ...]
 
 

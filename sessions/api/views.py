@@ -17,7 +17,13 @@ from common.openapi import PROBLEM, operation
 from common.permissions import may_read_scope
 from kvsp.numerals import parse_decimal
 from kvsp.problems import ProtocolError
-from kvsp.records import CheckpointAnswer, OutputAnswer, SessionAnswer, SessionCheckpoint
+from kvsp.records import (
+    CheckpointAnswer,
+    DeliveredOutput,
+    OutputAnswer,
+    SessionAnswer,
+    SessionCheckpoint,
+)
 from sessions import services, streams
 from sessions.models import Session
 
@@ -52,7 +58,7 @@ class OutputView(APIView):
     def post(self, request, session: str):
         return Response(services.do_post_output(request.user, session, request.data).to_json())
 
-    @operation(responses={200: "Output", 404: PROBLEM})
+    @operation(responses={200: DeliveredOutput, 404: PROBLEM})
     def get(self, request, session: str):
         after = _int_param(request.query_params.get("after", "-1"), "after")
         if "text/event-stream" in request.headers.get("Accept", ""):

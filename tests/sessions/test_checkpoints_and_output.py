@@ -7,7 +7,7 @@ import httpx
 import orjson
 import pytest
 
-from kvsp.records import SessionAnswer
+from kvsp.records import DeliveredOutput, SessionAnswer
 from sessions.models import OutputToken, Session
 from tests.support.answers import assert_answers_as
 from tests.support.fixtures import body, make_instance, problem_name, report, status_record
@@ -141,7 +141,9 @@ def test_each_index_is_delivered_once(cluster, node, session_id):
     # and keeps what it delivered first.
     again = post(node, session_id, [{"epoch": 1, "index": i, "token": 99} for i in (1, 2, 3)])
     assert (body(again)["stored"], body(again)["duplicates"]) == ([3], [1, 2])
-    tokens = body(node.get(f"/kvsp/sessions/{session_id}/output"))["tokens"]
+    output = body(node.get(f"/kvsp/sessions/{session_id}/output"))
+    assert_answers_as(DeliveredOutput, output)
+    tokens = output["tokens"]
     assert [(t["index"], t["token"]) for t in tokens] == [(0, 40), (1, 41), (2, 42), (3, 99)]
 
 
