@@ -4,15 +4,16 @@ view states its contract (``operation``).
 The views validate with the protocol core (``kvsp.records``), not with serializers, so
 drf-spectacular cannot infer bodies. The schemas of the records, and of the answers declared
 beside them as msgspec structs, are generated from their types (``RECORD_TYPES``), so the
-description and the code share one definition; this module states the others (answers and
-envelopes still built as dicts). Each view method states its request body, responses and
-parameters with ``operation`` (drf-spectacular's ``extend_schema``); ``describe``, a
-postprocessing hook, adds the schemas, the bearer scheme, the links between operations, and
-problem details for every error status. Each role's URLconf decides which of the operations its
-schema lists: the control plane's (DESIGN.md section 3, "Control plane") or a node's ("Node").
-The schemas say what a valid message looks like; the core remains the judge (a document can
-match the schema and still break a rule, such as overlapping ranges or a reshard plan whose
-``to`` is not ``from + 1``).
+description and the code share one definition; this module states the few others: problem
+details (RFC 9457), the batch envelopes, whose items may be any value (each is judged as its
+single request would be), and the one-or-many body of an output post. Each view method states
+its request body, responses and parameters with ``operation`` (drf-spectacular's
+``extend_schema``); ``describe``, a postprocessing hook, adds the schemas, the bearer scheme,
+the links between operations, and problem details for every error status. Each role's URLconf
+decides which of the operations its schema lists: the control plane's (DESIGN.md section 3,
+"Control plane") or a node's ("Node"). The schemas say what a valid message looks like; the core
+remains the judge (a document can match the schema and still break a rule, such as overlapping
+ranges or a reshard plan whose ``to`` is not ``from + 1``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from kvsp.records import (
     MAX_DEADLINE_MS,
     MAX_OUTPUT_TOKENS_PER_POST,
-    MAX_URL_LENGTH,
     BlockBatchRequest,
     CheckpointAnswer,
     CompatibilityDescriptor,
@@ -80,9 +80,7 @@ def _hex(octets: int) -> dict:
     return {"type": "string", "pattern": f"^[0-9a-f]{{{2 * octets}}}$"}
 
 
-_URL = {"type": "string", "pattern": "^https?://[^/]+/.*/$", "maxLength": MAX_URL_LENGTH}
 _INT = {"type": "integer", "minimum": 0, "maximum": 9007199254740991}
-_POSITIVE = {"type": "integer", "minimum": 1, "maximum": 9007199254740991}
 _ATTEMPT = {"type": "integer", "minimum": 1, "maximum": 4294967295}
 
 
